@@ -1,0 +1,25 @@
+"""Where eyas keeps caches (converted targets) and runs. Read in this one place."""
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """The cache root: $EYAS_CACHE, else $XDG_CACHE_HOME/eyas, else ~/.cache/eyas. Never inside the repo."""
+    if os.environ.get("EYAS_CACHE"):
+        root = Path(os.environ["EYAS_CACHE"])
+    else:
+        root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "eyas"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def shared_data_dir() -> Path | None:
+    """The workplace's shared data folder (MT-Bench, GSM8K), if present: $EYAS_SHARED_DATA or ../shared/data."""
+    candidates = [os.environ.get("EYAS_SHARED_DATA")]
+    here = Path(__file__).resolve()
+    candidates += [str(p / "shared" / "data") for p in here.parents]
+    for c in candidates:
+        if c and Path(c).is_dir():
+            return Path(c)
+    return None
