@@ -1,0 +1,31 @@
+"""Shared fixtures. Converted targets are cached outside the repo ($EYAS_CACHE, default ~/.cache/eyas)."""
+
+import os
+import random
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_target():
+    """The seeded random 8-layer Llama with SmolLM2's tokenizer (float32, CPU)."""
+    from eyas.target import load_target
+
+    return load_target("tiny")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    from eyas.target import load_tokenizer
+
+    return load_tokenizer("smollm2-135m")
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    random.seed(0)
+    torch.manual_seed(0)
+    yield

@@ -1,0 +1,133 @@
+"""The EAGLE-3 draft, its vocabulary and training-time test, against hand computations."""
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from eyas.model import DraftConfig, Eagle3Draft
+from eyas.ttt import base_mask, chain_attention, shift_left, target_log_probs, ttt_forward
+from eyas.vocab import build_draft_vocab, count_tokens
+
+V, H = 50, 16
+
+
+def small_draft(draft_vocab=20, seed=0) -> Eagle3Draft:
+    cfg = DraftConfig(hidden_size=H, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+                      vocab_size=V, draft_vocab_size=draft_vocab, target_hidden_size=H, feature_layers=(2, 3, 4))
+    m = Eagle3Draft(cfg)
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.randint(0, 5, (V,), generator=g).numpy()
+    vocab = build_draft_vocab(counts, draft_vocab)
+    m.init_weights(torch.randn(V, H, generator=g), torch.randn(V, H, generator=g), vocab.d2t, seed=seed)
+    return m
+
+
+def test_vocab_top_k_and_fill():
+    counts = np.zeros(10, dtype=np.int64)
+    counts[[7, 3, 5]] = [5, 9, 5]
+    v = build_draft_vocab(counts, 5)
+    ids = v.target_ids().tolist()
+    assert ids == [0, 1, 3, 5, 7]  # 3 seen ids, then the lowest unused (0, 1); ascending
+    assert v.t2d.nonzero().flatten().tolist() == ids
+    assert v.coverage == 1.0 and v.distinct_seen == 3
+    v2 = build_draft_vocab(counts, 2)  # 3 (9), then the tie 5 vs 7 at 5 -> lower id 5
+    assert v2.target_ids().tolist() == [3, 5]
+    assert abs(v2.coverage - 14 / 19) < 1e-12
+
+
+def test_count_tokens_only_masked():
+    c = count_tokens([(np.array([1, 2, 2, 3]), np.array([0, 1, 1, 0]))], 5)
+    assert c.tolist() == [0, 0, 2, 0, 0]
+
+
+def test_save_load_roundtrip(tmp_path):
+    m = small_draft()
+    m.save_pretrained(tmp_path / "d", extra={"training": {"steps": 3}})
+    m2 = Eagle3Draft.from_pretrained(tmp_path / "d")
+    for (k, a), (k2, b) in zip(m.state_dict().items(), m2.state_dict().items()):
+        assert k == k2 and torch.equal(a, b)
+    assert m2.cfg == m.cfg
+
+
+def test_ttt_k1_equals_hand_cross_entropy():
+    torch.manual_seed(0)
+    m = small_draft()
+    T = 9
+    ids = m.target_ids()[torch.randint(0, 20, (1, T))]  # all tokens in the draft vocabulary
+    aux = torch.randn(1, T, 3 * H)
+    final = torch.randn(1, T, H)
+    head = torch.randn(20, H)
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1]])
+    logp = target_log_probs(final, head)
+    r = ttt_forward(m, ids, aux, logp, mask, steps=1)
+    # by hand: plain causal draft pass over (fc(aux_t), embed(x_{t+1})), CE against p_{t+1} where m[t+2] = 1
+    h, _ = m(shift_left(ids, 1), aux, torch.arange(T)[None])
+    logq = F.log_softmax(m.logits(h), -1)[0]
+    total, n = 0.0, 0
+    for t in range(T - 2):
+        if mask[0, t + 2]:
+            total += -(logp[0, t + 1].exp() * logq[t]).sum()
+            n += 1
+    assert int(r.count[0]) == n == 6
+    torch.testing.assert_close(r.loss_sum[0], torch.as_tensor(total), rtol=1e-5, atol=1e-5)
+
+
+def test_chain_attention_mask_matches_explicit_inference_mask():
+    """Step 2 attention equals plain attention over [step-0 keys (causal), step-1 keys, step-2 keys] with a mask that
+    lets position t see step-0 positions <= t and only its own entries of steps 1 and 2."""
+    torch.manual_seed(1)
+    B, nh, nkv, T, d = 1, 4, 2, 6, 8
+    q = torch.randn(B, nh, T, d)
+    ks = [torch.randn(B, nkv, T, d) for _ in range(3)]
+    vs = [torch.randn(B, nkv, T, d) for _ in range(3)]
+    mask0 = base_mask(torch.zeros(B, T, dtype=torch.long))
+    got = chain_attention(q, ks, vs, mask0)
+    K = torch.cat(ks, 2).repeat_interleave(2, 1)
+    Vv = torch.cat(vs, 2).repeat_interleave(2, 1)
+    eye = torch.eye(T, dtype=torch.bool)
+    full = torch.cat([torch.ones(T, T, dtype=torch.bool).tril(), eye, eye], 1)  # [T, 3T]
+    want = F.scaled_dot_product_attention(q, K, Vv, attn_mask=full)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_ttt_step1_equals_inference_with_cache():
+    """TTT step 1 at position t equals what inference computes: prefix from target features in the cache, then
+    one draft step on the draft's own output at position t+1."""
+    torch.manual_seed(2)
+    m = small_draft()
+    T = 7
+    ids = m.target_ids()[torch.randint(0, 20, (1, T))]
+    aux = torch.randn(1, T, 3 * H)
+    head = torch.randn(20, H)
+    logp = target_log_probs(torch.randn(1, T, H), head)
+    # reference: for a position t, run prefix 0..t from features, then the draft step with its own hidden
+    t = 3
+    h0, cache = m(shift_left(ids, 1)[:, : t + 1], aux[:, : t + 1], torch.arange(t + 1)[None])
+    h1, _ = m(ids[:, t + 2: t + 3], h0[:, t:t + 1], torch.tensor([[t + 1]]), cache=cache)
+    want = F.log_softmax(m.logits(h1[0, 0]), -1)
+    # TTT with 2 steps, mask only the step-1 prediction at t (x[t+3])
+    mask = torch.zeros(1, T, dtype=torch.long)
+    mask[0, t + 3] = 1
+    r = ttt_forward(m, ids, aux, logp, mask, steps=2)
+    assert r.count.tolist() == [1, 1]  # step 0 counts t+1 (predicting x[t+3]), step 1 counts t
+    loss_ref = -(logp[0, t + 2].exp() * want).sum()
+    torch.testing.assert_close(r.loss_sum[1], loss_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_documents_do_not_mix():
+    torch.manual_seed(3)
+    m = small_draft()
+    a = m.target_ids()[torch.randint(0, 20, (1, 6))]
+    b = m.target_ids()[torch.randint(0, 20, (1, 5))]
+    aux_a, aux_b = torch.randn(1, 6, 3 * H), torch.randn(1, 5, 3 * H)
+    head = torch.randn(20, H)
+    lp_a, lp_b = target_log_probs(torch.randn(1, 6, H), head), target_log_probs(torch.randn(1, 5, H), head)
+    ma, mb = torch.ones(1, 6, dtype=torch.long), torch.ones(1, 5, dtype=torch.long)
+    ra = ttt_forward(m, a, aux_a, lp_a, ma, steps=3)
+    rb = ttt_forward(m, b, aux_b, lp_b, mb, steps=3)
+    packed = ttt_forward(m, torch.cat([a, b], 1), torch.cat([aux_a, aux_b], 1), torch.cat([lp_a, lp_b], 1),
+                         torch.cat([ma, mb], 1), steps=3,
+                         position_ids=torch.cat([torch.arange(6), torch.arange(5)])[None],
+                         doc_ids=torch.tensor([[0] * 6 + [1] * 5]))
+    assert torch.equal(packed.count, ra.count + rb.count)
+    torch.testing.assert_close(packed.loss_sum, ra.loss_sum + rb.loss_sum, rtol=1e-5, atol=1e-5)
