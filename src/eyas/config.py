@@ -136,3 +136,22 @@ def check(condition: bool, what: str, fix: str) -> None:
     """Validation helper for __post_init__: raise an EyasError naming the value and the fix."""
     if not condition:
         raise EyasError(what, fix=fix)
+
+
+def to_argv(cfg: Any, only_changed: bool = True) -> list[str]:
+    """The command-line arguments that rebuild `cfg` (used to launch a stage under torchrun)."""
+    argv: list[str] = []
+    positional: list[str] = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if only_changed and f.default is not dataclasses.MISSING and value == f.default:
+            continue
+        if f.metadata.get("positional"):
+            positional += [str(v) for v in value] if isinstance(value, (tuple, list)) else [str(value)]
+        elif isinstance(value, bool):
+            argv.append(_flag(f.name) if value else "--no-" + f.name.replace("_", "-"))
+        elif isinstance(value, (tuple, list)):
+            argv += [_flag(f.name), *map(str, value)]
+        elif value is not None:
+            argv += [_flag(f.name), str(value)]
+    return positional + argv

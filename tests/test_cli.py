@@ -1,0 +1,53 @@
+"""The CLI is generated from the stage dataclasses: parsing, round trip to argv, clear errors."""
+
+import argparse
+import dataclasses
+
+import pytest
+
+from eyas import cli
+from eyas.config import StageConfig, add_arguments, check, from_mapping, from_namespace, opt, to_argv
+from eyas.errors import EyasError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DemoCfg(StageConfig):
+    logs: tuple[str, ...] = opt((), "logs", positional=True)
+    n: int = opt(3, "n")
+    layers: tuple[int, ...] = opt((), "layers")
+    x: float | None = opt(None, "x")
+    flag: bool = opt(False, "f")
+
+    def __post_init__(self):
+        check(self.n > 0, f"n must be positive, got {self.n}", "pass --n 1 or more")
+
+
+def parse(argv):
+    p = argparse.ArgumentParser()
+    add_arguments(p, DemoCfg)
+    return from_namespace(DemoCfg, p.parse_args(argv))
+
+
+def test_parse_and_roundtrip():
+    c = parse(["a.log", "b.log", "--n", "5", "--layers", "2", "4", "--flag", "--x", "0.5"])
+    assert c == DemoCfg(logs=("a.log", "b.log"), n=5, layers=(2, 4), x=0.5, flag=True)
+    assert parse(to_argv(c)) == c
+
+
+def test_defaults_come_from_the_dataclass_only():
+    c = parse(["a.log"])
+    assert c.n == 3 and c.layers == () and c.x is None and c.flag is False
+
+
+def test_validation_and_unknown_keys_are_clear():
+    with pytest.raises(EyasError, match="n must be positive"):
+        parse(["a", "--n", "0"])
+    with pytest.raises(EyasError, match="unknown setting"):
+        from_mapping(DemoCfg, {"nn": 3}, "test.toml [x]")
+
+
+def test_cli_help_and_unknown_command(capsys):
+    assert cli.main(["--help"]) == 0
+    assert "extract" in capsys.readouterr().out
+    assert cli.main(["frobnicate"]) == 2
+    assert "unknown command" in capsys.readouterr().err
