@@ -1,0 +1,92 @@
+"""Running stages in order inside one run folder, skipping those already done with the same settings.
+
+A run is one folder `runs/<name>/`: each stage's output, `stages/<stage>.json` (its settings, summary and
+wall time: the proof a stage finished), logs, metrics and the report. A stage whose marker holds the same
+settings is skipped and says so; change a setting (or pass --force) and it runs again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from eyas.config import from_mapping, to_argv
+from eyas.errors import EyasError
+from eyas.log import Console, fmt_duration, write_json
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One step of a pipeline: an eyas command with its settings (the fields of its config dataclass)."""
+
+    name: str  # label in the run folder, e.g. "prepare-train"
+    command: str  # eyas subcommand, e.g. "prepare"
+    settings: dict
+    nproc: int = 1  # >1: launched under torchrun with this many processes
+
+
+def settings_key(stage: Stage) -> str:
+    blob = json.dumps({"command": stage.command, "settings": stage.settings, "nproc": stage.nproc},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _launch_torchrun(stage: Stage, cfg, log_path: Path) -> dict:
+    """Run a stage under torchrun; its rank 0 prints the JSON summary as the last stdout line."""
+    module = {"train": "eyas.train", "extract": "eyas.extract"}[stage.command]
+    port = 29500 + (os.getpid() % 2000)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(stage.nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", module, *to_argv(cfg), "--json"]
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // stage.nproc)))
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        last_json = None
+        for line in proc.stdout:
+            log.write(line)
+            if line.startswith("{"):
+                last_json = line
+            else:
+                sys.stderr.write(line)
+        proc.wait()
+    if proc.returncode != 0 or last_json is None:
+        raise EyasError(f"stage {stage.name} failed under torchrun (exit {proc.returncode})",
+                        f"see the log {log_path}", "fix the error shown there and rerun: completed stages are kept")
+    return json.loads(last_json)
+
+
+def run_stage(stage: Stage, run_dir: Path, con: Console, force: bool = False) -> dict:
+    from eyas.cli import load_stage
+
+    marker = run_dir / "stages" / f"{stage.name}.json"
+    key = settings_key(stage)
+    if marker.exists() and not force:
+        done = json.loads(marker.read_text())
+        if done.get("key") == key:
+            con.print(f"[{stage.name}] cached: finished earlier with the same settings "
+                      f"({fmt_duration(done.get('elapsed_s', 0))}), skipped (rerun with --force to redo)")
+            return done["summary"]
+    cls, run = load_stage(stage.command)
+    cfg = from_mapping(cls, stage.settings, f"stage {stage.name}")
+    con.print(f"[{stage.name}] eyas {stage.command} {' '.join(to_argv(cfg))}")
+    t0 = time.perf_counter()
+    if stage.nproc > 1:
+        summary = _launch_torchrun(stage, cfg, run_dir / "logs" / f"{stage.name}.log")
+    else:
+        summary = run(cfg)
+    elapsed = time.perf_counter() - t0
+    write_json(marker, {"key": key, "command": stage.command, "settings": stage.settings, "nproc": stage.nproc,
+                        "summary": summary, "elapsed_s": elapsed})
+    return summary
+
+
+def run_pipeline(stages: list[Stage], run_dir: Path, con: Console, force: bool = False) -> dict[str, dict]:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs").mkdir(exist_ok=True)
+    write_json(run_dir / "pipeline.json", [dataclasses.asdict(s) for s in stages])
+    return {s.name: run_stage(s, run_dir, con, force) for s in stages}

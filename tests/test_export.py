@@ -1,0 +1,300 @@
+"""eyas export / import: round trips, the engines' key list, foreign layouts and bad input.
+
+The expected names, shapes and layer ids below are written from the engines' loaders (docs/export.md), not read
+back from eyas.export, except where a test checks eyas.export against engine_keys.json itself.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eyas.errors import EyasError
+from eyas.export import ExportConfig, ImportConfig, engine_spec, run, run_import
+from eyas.model import DraftConfig, Eagle3Draft
+from eyas.vocab import build_draft_vocab
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _same_target(monkeypatch, tiny_target):
+    """Import loads its --target; hand it the session's tiny target instead of rebuilding it each time."""
+    monkeypatch.setattr("eyas.target.load_target", lambda spec, **kw: tiny_target)
+
+
+def make_checkpoint(target, folder: Path, draft_vocab: int = 500, seed: int = 0) -> Eagle3Draft:
+    """A trained-looking eyas checkpoint for the tiny target: target embeddings/head, random everything else."""
+    dc = DraftConfig.for_target(target, draft_vocab_size=draft_vocab)
+    m = Eagle3Draft(dc)
+    g = torch.Generator().manual_seed(seed)
+    vocab = build_draft_vocab(torch.randint(0, 100, (target.vocab_size,), generator=g).numpy(), draft_vocab)
+    m.init_weights(target.embed_tokens().weight, target.lm_head().weight, vocab.d2t, seed=seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)  # not all ones, so a lost norm shows
+    m.save_pretrained(folder, extra={"training": {"steps": 7, "loss": 2.5}, "evaluation": {"tau": 1.9}})
+    return m
+
+
+def export(ckpt: Path, fmt: str, out: Path, **kw) -> dict:
+    return run(ExportConfig(checkpoint=str(ckpt), format=fmt, out=str(out), quiet=True, **kw))
+
+
+def import_(src: Path, out: Path, **kw) -> dict:
+    return run_import(ImportConfig(source=str(src), out=str(out), target="tiny", quiet=True, **kw))
+
+
+def assert_same(a: Eagle3Draft, b: Eagle3Draft):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), k
+    assert a.cfg == b.cfg
+
+
+@pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
+def test_round_trip_identical(tiny_target, tmp_path, fmt):
+    m = make_checkpoint(tiny_target, tmp_path / "ckpt")
+    export(tmp_path / "ckpt", fmt, tmp_path / fmt)
+    s = import_(tmp_path / fmt, tmp_path / "back")
+    back = Eagle3Draft.from_pretrained(tmp_path / "back")
+    assert_same(m, back)
+    assert s["embed_tokens_from"] == "draft" and s["feature_layers"] == [2, 4, 5]
+    meta = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert meta["training"] == {"steps": 7, "loss": 2.5} and meta["evaluation"] == {"tau": 1.9}
+    # the same draft computes the same thing: one pass on the same inputs
+    ids, aux, pos = torch.randint(0, 49152, (1, 9)), torch.randn(1, 9, 192), torch.arange(9)[None]
+    with torch.no_grad():
+        assert torch.equal(m.logits(m(ids, aux, pos)[0]), back.logits(back(ids, aux, pos)[0]))
+
+
+def expected_from_engines(fmt: str, V: int, Vd: int, H: int = 64, I: int = 128, nq: int = 4, nkv: int = 2,
+                          d: int = 16) -> dict:
+    """Names and shapes as the engines' model classes declare them (vLLM/SGLang LlamaForCausalLMEagle3,
+    speculators Eagle3DraftModel), written out by hand for the tiny target's draft."""
+    layer = "midlayer." if fmt == "eagle3" else "layers.0."
+    w = {"embed_tokens.weight": (V, H), "fc.weight": (H, 3 * H), "norm.weight": (H,), "lm_head.weight": (Vd, H),
+         layer + "input_layernorm.weight": (H,), layer + "hidden_norm.weight": (H,),
+         layer + "self_attn.q_proj.weight": (nq * d, 2 * H), layer + "self_attn.k_proj.weight": (nkv * d, 2 * H),
+         layer + "self_attn.v_proj.weight": (nkv * d, 2 * H), layer + "self_attn.o_proj.weight": (H, nq * d),
+         layer + "post_attention_layernorm.weight": (H,), layer + "mlp.gate_proj.weight": (I, H),
+         layer + "mlp.up_proj.weight": (I, H), layer + "mlp.down_proj.weight": (H, I)}
+    if Vd != V:
+        w |= {"d2t": (Vd,), "t2d": (V,)}
+    return w
+
+
+@pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
+@pytest.mark.parametrize("draft_vocab", [500, 49152])
+def test_export_matches_engines(tiny_target, tmp_path, fmt, draft_vocab):
+    make_checkpoint(tiny_target, tmp_path / "ckpt", draft_vocab)
+    export(tmp_path / "ckpt", fmt, tmp_path / "out")
+    w = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert {k: tuple(t.shape) for k, t in w.items()} == expected_from_engines(fmt, 49152, draft_vocab)
+    if draft_vocab != 49152:
+        assert w["d2t"].dtype == torch.int64 and w["t2d"].dtype == torch.bool
+        assert w["t2d"].sum() == draft_vocab
+    assert all(t.dtype == torch.float32 for k, t in w.items() if k not in ("d2t", "t2d"))
+    # the derived list in the repo says the same
+    spec = engine_spec()["formats"][fmt]["weights"]
+    d = {"H": 64, "Ht": 64, "V": 49152, "Vd": draft_vocab, "I": 128, "Nq": 4, "Nkv": 2, "D": 16}
+    for key, t in w.items():
+        assert tuple(t.shape) == tuple(math.prod(int(f) if f.isdigit() else d[f] for f in s.split("*"))
+                                       for s in spec[key]["shape"]), key
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    layer = cfg if fmt == "eagle3" else cfg["transformer_layer_config"]
+    assert layer["vocab_size"] == 49152 and layer["hidden_size"] == 64 and layer["num_hidden_layers"] == 1
+    assert cfg["draft_vocab_size"] == draft_vocab and cfg["norm_before_residual"] is False
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # vLLM/speculators: HF hidden_states indices
+    if fmt == "eagle3":
+        assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["tie_word_embeddings"] is False
+        assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # SGLang: HF index - 1
+    else:
+        assert cfg["speculators_model_type"] == "eagle3"
+        assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert "tau" in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_bfloat16_export(tiny_target, tmp_path):
+    m = make_checkpoint(tiny_target, tmp_path / "ckpt")
+    export(tmp_path / "ckpt", "eagle3", tmp_path / "out", dtype="bfloat16")
+    w = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert w["fc.weight"].dtype == torch.bfloat16 and w["d2t"].dtype == torch.int64
+    assert torch.equal(w["fc.weight"], m.fc.weight.detach().to(torch.bfloat16))
+
+
+def test_specforge_style_draft(tiny_target, tmp_path):
+    """SpecForge/EAGLE release layout: midlayer.* without embed_tokens, layer ids only in SGLang's eagle_config."""
+    m = make_checkpoint(tiny_target, tmp_path / "ckpt")
+    export(tmp_path / "ckpt", "eagle3", tmp_path / "e3")
+    sf = tmp_path / "specforge"
+    sf.mkdir()
+    w = load_file(str(tmp_path / "e3" / "model.safetensors"))
+    del w["embed_tokens.weight"]
+    save_file(w, str(sf / "model.safetensors"))
+    cfg = json.loads((tmp_path / "e3" / "config.json").read_text())
+    for k in ("eagle_aux_hidden_state_layer_ids", "eyas", "rope_parameters"):
+        del cfg[k]
+    (sf / "config.json").write_text(json.dumps(cfg))
+    s = import_(sf, tmp_path / "back")
+    assert s["embed_tokens_from"] == "target" and s["feature_layers"] == [2, 4, 5]  # [1, 3, 4] + 1
+    assert_same(m, Eagle3Draft.from_pretrained(tmp_path / "back"))  # embed_tokens were the target's anyway
+    del cfg["eagle_config"]  # no ids at all: the default [2, L//2, L-3] of the 8-layer target
+    (sf / "config.json").write_text(json.dumps(cfg))
+    assert import_(sf, tmp_path / "back2")["feature_layers"] == [2, 4, 5]
+    with pytest.raises(EyasError, match="contradicts"):
+        import_(tmp_path / "e3", tmp_path / "back3", layers=(1, 2, 3))
+
+
+def _broken(tmp_path, tiny_target, fmt="eagle3", edit_w=None, edit_cfg=None) -> Path:
+    make_checkpoint(tiny_target, tmp_path / "ckpt")
+    export(tmp_path / "ckpt", fmt, tmp_path / "good")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    w = load_file(str(tmp_path / "good" / "model.safetensors"))
+    cfg = json.loads((tmp_path / "good" / "config.json").read_text())
+    edit_w and edit_w(w)
+    edit_cfg and edit_cfg(cfg)
+    save_file(w, str(bad / "model.safetensors"))
+    (bad / "config.json").write_text(json.dumps(cfg))
+    return bad
+
+
+@pytest.mark.parametrize("edit_w, edit_cfg, message", [
+    (lambda w: w.pop("midlayer.self_attn.q_proj.weight"), None, "missing weight 'midlayer.self_attn.q_proj.weight'"),
+    (lambda w: w.update({"fc.weight": torch.zeros(64, 64)}), None, r"'fc.weight' has shape \[64, 64\], expected \[64, 192\]"),
+    (lambda w: w.pop("d2t"), None, "missing weight 'd2t'"),
+    (lambda w: w.update({"fc_norm.0.weight": torch.ones(64)}), None, "unexpected weight 'fc_norm.0.weight'"),
+    (lambda w: w.update({"d2t": torch.zeros(500, dtype=torch.long)}), None, "'t2d' disagrees with 'd2t'"),
+    (None, lambda c: c.update({"architectures": ["LlamaForCausalLM"]}), "unknown draft format"),
+    (None, lambda c: c.update({"norm_before_residual": True}), "norm_before_residual"),
+    (None, lambda c: c.pop("hidden_size"), "config field 'hidden_size' is missing"),
+    (None, lambda c: c.update({"vocab_size": 1000}), "vocab_size 1000"),
+])
+def test_bad_input_named(tiny_target, tmp_path, edit_w, edit_cfg, message):
+    bad = _broken(tmp_path, tiny_target, edit_w=edit_w, edit_cfg=edit_cfg)
+    with pytest.raises(EyasError, match=message):
+        import_(bad, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_speculators_type_and_pickles(tiny_target, tmp_path):
+    bad = _broken(tmp_path, tiny_target, "speculators", edit_cfg=lambda c: c.update({"speculators_model_type": "mlp"}))
+    with pytest.raises(EyasError, match="speculators_model_type 'mlp'"):
+        import_(bad, tmp_path / "out")
+    (bad / "model.safetensors").rename(bad / "pytorch_model.bin")
+    (bad / "config.json").write_text((tmp_path / "good" / "config.json").read_text())
+    with pytest.raises(EyasError, match="never unpickles"):
+        import_(bad, tmp_path / "out")
+
+
+def test_export_refuses_bad_checkpoint_and_keeps_existing(tiny_target, tmp_path):
+    make_checkpoint(tiny_target, tmp_path / "ckpt")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    with pytest.raises(EyasError, match="already exists"):
+        export(tmp_path / "ckpt", "eagle3", tmp_path / "out")
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+    export(tmp_path / "ckpt", "eagle3", tmp_path / "out", overwrite=True)
+    assert not (tmp_path / "out" / "keep.txt").exists() and (tmp_path / "out" / "model.safetensors").exists()
+    w = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    del w["norm.weight"]
+    save_file(w, str(tmp_path / "ckpt" / "model.safetensors"))
+    with pytest.raises(EyasError, match="'norm.weight' is missing"):
+        export(tmp_path / "ckpt", "speculators", tmp_path / "out2")
+
+
+def test_cli_export(tiny_target, tmp_path, capsys):
+    from eyas.cli import main
+
+    make_checkpoint(tiny_target, tmp_path / "ckpt")
+    assert main(["export", str(tmp_path / "ckpt"), "--format", "speculators", "--out", str(tmp_path / "o"),
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["format"] == "speculators"
+    assert main(["export", str(tmp_path / "nope"), "--out", str(tmp_path / "o2")]) == 2
+
+
+# -- the real speculators loader ---------------------------------------------------------------------------------
+_SPECULATORS_CHECK = textwrap.dedent("""
+    import json, sys, torch
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from eyas.model import Eagle3Draft
+    export_dir, ckpt = sys.argv[1], sys.argv[2]
+    cfg = Eagle3SpeculatorConfig.from_pretrained(export_dir)
+    cfg.transformer_layer_config._attn_implementation = "eager"  # its flex-attention default needs a GPU-sized T
+    theirs = Eagle3DraftModel.from_pretrained(export_dir, config=cfg).eval()
+    ours = Eagle3Draft.from_pretrained(ckpt)
+    g = torch.Generator().manual_seed(1)
+    T = 12
+    ids, aux, pos = torch.randint(0, ours.cfg.vocab_size, (1, T), generator=g), torch.randn(1, T, 192, generator=g), torch.arange(T)[None]
+    logits = []
+    theirs.lm_head.register_forward_hook(lambda m, i, o: logits.append(o.detach()))
+    with torch.no_grad():
+        theirs(hidden_states=aux, input_ids=ids, document_ids=torch.zeros(1, T, dtype=torch.long),
+               position_ids=pos.clone(), ttt_steps=2)
+        h, cache = ours(ids, aux, pos)
+        # TTT step 2 at the last position = one cached inference step: speculators feeds its right-pad token 0,
+        # the previous pre-norm output, at position + 1
+        h2, _ = ours(torch.zeros(1, 1, dtype=torch.long), h[:, -1:], pos[:, -1:] + 1, cache)
+    print(json.dumps({"step0": (logits[0] - ours.logits(h)).abs().max().item(),
+                      "step1": (logits[1][:, -1:] - ours.logits(h2)).abs().max().item(),
+                      "scale": ours.logits(h).abs().max().item(),
+                      "d2t": torch.equal(theirs.d2t, ours.d2t), "t2d": torch.equal(theirs.t2d, ours.t2d),
+                      "layer_ids": theirs.config.eagle_aux_hidden_state_layer_ids}))
+""")
+
+
+def speculators_python() -> str:
+    """A Python that imports speculators: this one, $EYAS_SPECULATORS_PYTHON, or a venv made once in the cache
+    (system packages visible; speculators pins transformers <= 5.19, so it must not touch the main environment)."""
+    if subprocess.run([sys.executable, "-c", "import speculators"], capture_output=True, check=False).returncode == 0:
+        return sys.executable
+    if os.environ.get("EYAS_SPECULATORS_PYTHON"):
+        return os.environ["EYAS_SPECULATORS_PYTHON"]
+    from eyas.paths import cache_dir
+
+    venv = cache_dir() / "speculators-venv"
+    py = venv / "bin" / "python"
+    if not py.exists() or subprocess.run([str(py), "-c", "import speculators"], capture_output=True, check=False).returncode:
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+        subprocess.run([str(py), "-m", "pip", "install", "-q", "-c", str(REPO / "constraints.txt"), "speculators"],
+                       check=True)
+        # its torchvision/torchaudio are CUDA builds that break `import transformers` on this CPU torch
+        subprocess.run([str(py), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio"], check=True)
+    return str(py)
+
+
+@pytest.mark.integration
+def test_speculators_loads_our_export(tiny_target, tmp_path):
+    make_checkpoint(tiny_target, tmp_path / "ckpt")
+    tiny_target.model.save_pretrained(tmp_path / "verifier")  # a local verifier: speculators validates the ids
+    export(tmp_path / "ckpt", "speculators", tmp_path / "sp", verifier=str(tmp_path / "verifier"))
+    (tmp_path / "check.py").write_text(_SPECULATORS_CHECK)
+    py = speculators_python()
+    r = subprocess.run([py, str(tmp_path / "check.py"), str(tmp_path / "sp"), str(tmp_path / "ckpt")],
+                       capture_output=True, text=True, timeout=600, check=False, env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["d2t"] and res["t2d"] and res["layer_ids"] == [2, 4, 5]
+    assert res["step0"] <= 1e-5 * max(1.0, res["scale"]) and res["step1"] <= 1e-5 * max(1.0, res["scale"]), res
+
+
+def test_docs_cite_every_engine_key():
+    """docs/export.md's provenance tables cover the whole engine list, with the commits of its sources."""
+    doc = (REPO / "docs" / "export.md").read_text()
+    spec = engine_spec()
+    for fmt in spec["formats"].values():
+        for key in [*fmt["weights"], *fmt["config"]]:
+            assert f"`{key}`" in doc, key
+    for src in spec["sources"].values():
+        for commit in [src.get("commit"), *src.get("commits", {}).values()]:
+            assert commit is None or commit in doc, commit
