@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eyas.errors import EyasError
-from eyas.export import ExportConfig, ImportConfig, engine_spec, run, run_import
+from eyas.draft_import import ImportConfig, run_import
+from eyas.export import ExportConfig, engine_spec, run
 from eyas.model import DraftConfig, Eagle3Draft
 from eyas.vocab import build_draft_vocab
 

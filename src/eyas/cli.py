@@ -25,7 +25,7 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "train": ("eyas.train", "TrainConfig", "run", "train the EAGLE-3 draft (one process or torchrun)"),
     "evaluate": ("eyas.evaluate", "EvalConfig", "run", "speculative decoding: acceptance length, speedup, lossless check"),
     "export": ("eyas.export", "ExportConfig", "run", "write a draft that vLLM, SGLang or speculators load"),
-    "import": ("eyas.export", "ImportConfig", "run_import", "read an eagle3/speculators draft into an eyas checkpoint"),
+    "import": ("eyas.draft_import", "ImportConfig", "run_import", "read an eagle3/speculators draft into an eyas checkpoint"),
     "plan": ("eyas.plan", "PlanConfig", "run", "the arithmetic of a run before it starts: steps, ETA, disk"),
     "doctor": ("eyas.doctor", "DoctorConfig", "run", "diagnose a training log (eyas, speculators, SpecForge, torchrun)"),
     "demo": ("eyas.demo", "DemoConfig", "run", "the whole pipeline on the embedded default target, in minutes"),
