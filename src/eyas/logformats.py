@@ -2,7 +2,8 @@
 
 `LogParser.feed(lineno, text)` turns each line into `Step` records (one per logged optimizer step, from any
 rank) and `Fact` records (what a log states: dataset size, world size, epochs, batches per epoch, plan and audit
-lines, progress-bar totals, end and crash markers). `eyas.doctor` draws its conclusions from these alone.
+lines, progress-bar totals, end and crash markers). The doctor (`eyas.doctor*`) draws its conclusions from
+these alone.
 
 Formats (what each line looks like):
 - eyas `metrics.jsonl`: `{"step": 12, "epoch": 0, "lr": ..., "loss": ..., "samples_seen_global": ..., "elapsed_s": ...}`
@@ -17,11 +18,6 @@ Formats (what each line looks like):
 
 Parsers are linear in the line length: lines are capped at MAX_LINE characters, no regex has nested
 quantifiers, and nothing is evaluated (SpecForge's dict reprs and JSON values are read with regexes or `json`).
-
-Also here, the mechanics below the diagnosis: `Tail` reads a file (or a growing one) in bounded chunks,
-`open_log` accepts a log or an eyas run folder (its plan.json and audit.json become facts), `writers_of`
-tells how many ranks write each step and picks one rank's series, and `normalise` turns that series into
-steps done per rank, splitting at restarts and joining epoch-local counters.
 """
 
 from __future__ import annotations
@@ -30,15 +26,9 @@ import dataclasses
 import datetime
 import json
 import math
-import os
 import re
-from collections import Counter
-from pathlib import Path
-
-from eyas.errors import EyasError
 
 MAX_LINE = 65536  # characters kept of one line; the rest is ignored (and counted)
-CHUNK = 1 << 20  # bytes read at a time
 
 _NUM = r"[-+]?(?:\d{1,20}(?:\.\d{0,20})?|\.\d{1,20})(?:[eE][-+]?\d{1,3})?"
 _INT = r"\d[\d,]{0,18}"
@@ -138,6 +128,10 @@ class Fact:
 
 def _int(s: str) -> int:
     return int(s.replace(",", ""))
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _float(s) -> float | None:
@@ -268,7 +262,7 @@ class LogParser:
         self.formats.setdefault(name, lineno)
 
     def _fact(self, lineno: int, name: str, value, text: str) -> None:
-        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+        if _is_int(value) and value < 1:
             return  # "world_size: 0", "batches/epoch: 0": not a figure to divide by
         self.facts.append(Fact(lineno, name, value, text.strip()[:200]))
 
@@ -398,160 +392,3 @@ class LogParser:
                 self._fact(lineno, name, True, seg)
         if PY_WARNING.match(seg):
             self._fact(lineno, "warning", seg.strip()[:300], seg)
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-# -- reading ---------------------------------------------------------------------------------------------------
-class Tail:
-    """Reads a log in chunks from where it stopped: complete lines only, each capped at MAX_LINE bytes."""
-
-    def __init__(self, path: Path):
-        self.path, self.offset, self.lineno, self.partial, self.skipping = path, 0, 0, b"", False
-
-    def read(self, parser: LogParser, arrival: float | None = None, final: bool = False) -> int:
-        try:
-            with open(self.path, "rb") as f:
-                if os.fstat(f.fileno()).st_size < self.offset:
-                    raise EyasError(f"{self.path} shrank while being read", "it was truncated or rotated",
-                                    "run eyas doctor again on the new file")
-                f.seek(self.offset)
-                before = self.lineno
-                while chunk := f.read(CHUNK):
-                    if self.offset == 0:
-                        _check_text(self.path, chunk)
-                    self.offset += len(chunk)
-                    self._lines(chunk, parser, arrival)
-        except OSError as e:
-            raise EyasError(f"cannot read {self.path}: {e.strerror}",
-                            fix="check the path and its permissions") from None
-        if final and self.partial:
-            self.lineno += 1
-            parser.feed(self.lineno, self.partial.decode("utf-8", "replace"), arrival)
-            self.partial = b""
-        return self.lineno - before
-
-    def _lines(self, chunk: bytes, parser: LogParser, arrival: float | None) -> None:
-        if self.skipping:  # the rest of an over-long line: drop it up to its newline
-            cut = chunk.find(b"\n")
-            if cut < 0:
-                return
-            chunk, self.skipping = chunk[cut:], False
-        parts = (self.partial + chunk).split(b"\n")
-        self.partial = parts.pop()
-        if len(self.partial) > MAX_LINE:
-            self.partial, self.skipping = self.partial[:MAX_LINE], True
-            parser.truncated += 1
-        for raw in parts:
-            self.lineno += 1
-            if len(raw) > MAX_LINE:
-                parser.truncated += 1
-            parser.feed(self.lineno, raw[:MAX_LINE].decode("utf-8", "replace"), arrival)
-
-
-def _check_text(path: Path, head: bytes) -> None:
-    head = head[:65536]
-    control = sum(1 for b in head if b < 32 and b not in (9, 10, 12, 13, 27, 8))
-    if b"\x00" in head or control > len(head) // 20:
-        raise EyasError(f"{path} is not a text log", "it holds binary data (NUL or control bytes)",
-                        "give the training console output or metrics.jsonl (a UTF-16 log: convert it to UTF-8)")
-
-
-def _run_folder_facts(folder: Path) -> list[Fact]:
-    """An eyas run folder's plan.json and audit.json as facts (line 0: not from the log itself)."""
-    facts = []
-    for name in ("plan.json", "audit.json"):
-        p = folder / name
-        if not p.is_file():
-            continue
-        try:
-            d = json.loads(p.read_text())
-        except (OSError, ValueError) as e:
-            raise EyasError(f"{p}: unreadable JSON ({e})", fix="delete it or re-run the trainer") from None
-        if not isinstance(d, dict):
-            continue
-        try:
-            if name == "audit.json":
-                facts.append(Fact(0, "audit", d, f"{p}"))
-            else:  # eyas.plan.Plan.to_dict(), plus what the trainer adds (the steps this run really takes)
-                total = int(d.get("optimizer_steps_run") or d["optimizer_steps_total"])
-                facts += [Fact(0, "plan_samples", (int(d["samples"]), int(d["epochs"])), str(p)),
-                          Fact(0, "plan_batching", (int(d["world_size"]), int(d["micro_batch"]), int(d["grad_accum"])),
-                               str(p)),
-                          Fact(0, "plan_steps", (int(d["optimizer_steps_per_epoch"]), total), str(p))]
-        except (KeyError, TypeError, ValueError):
-            raise EyasError(f"{p} lacks the plan fields", fix="it should hold eyas.plan.Plan.to_dict()") from None
-    return facts
-
-
-def open_log(path_str: str) -> tuple[Path, list[Fact]]:
-    p = Path(path_str)
-    if p.is_dir():
-        if not (p / "metrics.jsonl").is_file():
-            raise EyasError(f"{p} is a folder without metrics.jsonl", fix="give a log file or an eyas run folder")
-        return p / "metrics.jsonl", _run_folder_facts(p)
-    if not p.is_file():
-        raise EyasError(f"log {p} not found", fix="give the path of a training log or an eyas run folder")
-    return p, []
-
-
-# -- the series of one writer ------------------------------------------------------------------------------------
-def writers_of(steps: list[Step]) -> tuple[int, list[Step], str, list[str]]:
-    """(writers, one writer's records in order, evidence, duplicate notes)."""
-    ranks = sorted({s.rank for s in steps if s.rank is not None})
-    dups = []
-    if ranks:
-        series = [s for s in steps if s.rank == ranks[0]]
-        for r in ranks:
-            mine = [s for s in steps if s.rank == r]
-            dups += [f"line {b.line}: rank {r} repeats line {a.line}" for a, b in zip(mine, mine[1:]) if a.key == b.key]
-        return len(ranks), series, f"[rankK]: prefixes name {len(ranks)} ranks ({_list(ranks)})", dups
-    if any(s.step is None for s in steps):
-        return 1, steps, "lines carry no step counter; one writer assumed", []
-    clusters: dict[tuple, list[list[int]]] = {}
-    for i, s in enumerate(steps):  # the same step again, nearby and before the counter moved on: another writer
-        runs = clusters.setdefault((s.epoch, s.step), [])
-        j = runs[-1][-1] if runs else -1
-        if runs and i - j <= 64 and max((t.step for t in steps[j + 1:i]), default=s.step) <= s.step + 2:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    sizes = Counter(len(c) for runs in clusters.values() for c in runs)
-    k = max(sizes, key=lambda n: (sizes[n], -n))
-    firsts = sorted(c[0] for runs in clusters.values() for c in runs)
-    for (_, v), runs in clusters.items():
-        dups += [f"step {v} appears {len(c)} times (lines {_list([steps[i].line for i in c])}), not {k}"
-                 for c in runs if len(c) > k]
-    ex = next((c for runs in clusters.values() for c in runs if len(c) == k), [0])
-    how = (f"every step value appears {k} times, e.g. step {steps[ex[0]].step} at lines "
-           f"{_list([steps[i].line for i in ex])}" if k > 1 else "each step value appears once")
-    return k, [steps[i] for i in firsts], how, dups
-
-
-def _list(xs, n: int = 6) -> str:
-    xs = list(xs)
-    return ", ".join(str(x) for x in xs[:n]) + (", ..." if len(xs) > n else "")
-
-
-def normalise(series: list[Step]) -> tuple[list[tuple[int, Step]], list[dict], int | None, bool]:
-    """Per-rank steps done at each record of the final run segment, restarts, steps per epoch if the counter
-    restarts each epoch, and whether the counter starts at 0."""
-    zero = min((s.step for s in series if s.step is not None), default=1) == 0
-    done, restarts, offset, per_epoch, prev = [], [], 0, None, None
-    for i, s in enumerate(series):
-        count = (s.step + (1 if zero else 0)) if s.step is not None else i + 1  # steps done (lines, if no counter)
-        v = count + offset
-        if prev is not None and v < prev[0]:
-            if s.epoch is not None and prev[1].epoch is not None and s.epoch > prev[1].epoch and count <= 1:
-                per_epoch = per_epoch or prev[0] - offset  # an epoch-local counter, not a restart
-                offset = prev[0]
-                v = count + offset
-            else:
-                restarts.append({"kind": "restart", "line": s.line, "message": f"step went back from {prev[1].step} "
-                                 f"(line {prev[1].line}) to {s.step} (line {s.line}): a restart or resume"})
-                done = []
-        done.append((v, s))
-        prev = (v, s)
-    return done, restarts, per_epoch, zero
