@@ -1,0 +1,206 @@
+"""Benchmark of `eyas extract` and the store: three figures, each a ratio measured side by side in one run.
+
+1. extraction throughput / the bare forward pass of the same target on the same batches   (goal >= 0.9)
+   bare = `target.model.model(ids)` over exactly the batches extract plans, nothing kept; extract = the whole
+   `eyas extract` run (hooks, copies, checksums, background writes, manifest), into a fresh store each time.
+   Passes alternate (bare, extract, bare, extract, ...); the figure is the median of the paired ratios of
+   wall-clock throughput. The ratio of CPU times (user + system, all threads) is printed beside it: on a machine
+   without a spare core the writer thread's work cannot hide, and that figure says what it costs.
+2. random-sample reads / sequential reads of the same bytes from the page cache             (goal >= 0.8)
+   random = `StoreReader(store)[i]` in a shuffled order, each sample's tensors copied into a batch buffer (what a
+   collate does); sequential = the shard files read front to back with readinto, after one warming read.
+   Both on one thread.
+3. bytes per token of the bf16 and the compact store / the 8H reference (3 feature layers + final, bf16)
+
+    python bench/bench_extract.py                           # SmolLM2-135M on 60 GSM8K conversations
+    python bench/bench_extract.py --samples 300 --threads 2 --out /tmp/bench
+
+Machines shared with other jobs vary by tens of percent between runs: read the ratios, not the absolute speeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from eyas.extract import ExtractConfig, open_prepared, plan_batches, plan_shards, tune_allocator
+from eyas.extract import run as extract
+from eyas.store import SHARD_DIR, StoreReader, bytes_per_token
+from eyas.target import load_target
+
+
+def prepared_dataset(args, out: Path) -> Path:
+    if args.data:
+        return Path(args.data)
+    from eyas.prepare import PrepareConfig
+    from eyas.prepare import run as prepare
+
+    folder = out / "prepared"
+    if not (folder / "summary.json").is_file():
+        prepare(PrepareConfig(target=args.target, data=("gsm8k-train",), out=str(folder), max_samples=args.samples,
+                              validation=0.0, quiet=True))
+    return folder
+
+
+def bare_forward(target, data: Path, cfg: ExtractConfig) -> tuple[float, int]:
+    """(seconds, tokens) of the base model over the batches extract would run, outputs dropped."""
+    ds, _ = open_prepared(str(data), cfg.split)
+    lengths = [int(x) for x in ds["num_tokens"]]
+    bpt = bytes_per_token(target.hidden_size, cfg.compact)
+    t0, tokens = time.perf_counter(), 0
+    for shard in plan_shards(lengths, bpt, int(cfg.shard_mb * 2**20)):
+        for batch in plan_batches([lengths[r] for r in shard], cfg.batch_tokens):
+            rows = [shard[p] for p in batch]
+            toks = ds[rows]["input_ids"]
+            ids = torch.zeros(len(rows), max(len(t) for t in toks), dtype=torch.int64)
+            for b, t in enumerate(toks):
+                ids[b, : len(t)] = torch.tensor(t)
+            with torch.inference_mode():
+                target.model.model(input_ids=ids.to(target.device), use_cache=False)
+            tokens += sum(len(t) for t in toks)
+    return time.perf_counter() - t0, tokens
+
+
+def timed_extract(target, cfg: ExtractConfig) -> float:
+    shutil.rmtree(cfg.store, ignore_errors=True)
+    t0 = time.perf_counter()
+    extract(cfg, target=target)
+    return time.perf_counter() - t0
+
+
+def cpu_seconds() -> float:
+    """User + system CPU time of this process, all threads (the writer thread's work included)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def read_sequential(files: list[Path], passes: int, chunk: int = 8 << 20) -> tuple[float, int]:
+    """(seconds, bytes) of reading the shard files front to back `passes` times into one buffer (readinto)."""
+    buf = memoryview(bytearray(chunk))
+    t0, total = time.perf_counter(), 0
+    for _ in range(passes):
+        for f in files:
+            with open(f, "rb", buffering=0) as fh:
+                while n := fh.readinto(buf):
+                    total += n
+    return time.perf_counter() - t0, total
+
+
+def read_random(store: Path, passes: int, seed: int) -> tuple[float, int]:
+    """(seconds, bytes) of `passes` shuffled passes over the samples, copying each into a batch buffer."""
+    t0 = time.perf_counter()
+    reader = StoreReader(store)  # opening (manifest, mmaps) is part of the cost
+    L, H = int(reader.lengths.max()), reader.hidden_size
+    bufs = {"input_ids": torch.empty(L, dtype=torch.int64), "loss_mask": torch.empty(L, dtype=torch.int8),
+            "aux": torch.empty(L, 3 * H, dtype=torch.bfloat16), "final": torch.empty(L, H, dtype=torch.bfloat16)}
+    rng, total = random.Random(seed), 0
+    for _ in range(passes):
+        order = list(range(len(reader)))
+        rng.shuffle(order)
+        for i in order:
+            s = reader[i]
+            n = len(s.input_ids)
+            for name, buf in bufs.items():
+                src = getattr(s, name)
+                buf[:n].copy_(src)
+                total += src.nbytes
+    return time.perf_counter() - t0, total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--data", default="", help="a prepared dataset; default: the first --samples of GSM8K train")
+    ap.add_argument("--samples", type=int, default=60)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--read-passes", type=int, default=5, help="passes over the store per read measurement")
+    ap.add_argument("--out", default="/tmp/eyas-bench-extract")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tune_allocator()  # what extract does first; applied before both, so the ratio compares like with like
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = prepared_dataset(args, out)
+    target = load_target(args.target, dtype="bf16")
+    cfg = ExtractConfig(data=str(data), store=str(out / "store"), target=args.target, quiet=True)
+    bare_forward(target, data, cfg)  # warm-up: allocator, kernels, page cache of the dataset
+    ratios, cpu_ratios, rates = [], [], []
+    for _ in range(args.repeats):
+        c0 = cpu_seconds()
+        t_bare, tokens = bare_forward(target, data, cfg)
+        c1 = cpu_seconds()
+        t_ext = timed_extract(target, cfg)
+        c2 = cpu_seconds()
+        ratios.append(t_bare / t_ext)
+        cpu_ratios.append((c1 - c0) / (c2 - c1))
+        rates.append((tokens / t_bare, tokens / t_ext))
+        print(f"  bare {tokens / t_bare:8.0f} tok/s   extract {tokens / t_ext:8.0f} tok/s   wall ratio {t_bare / t_ext:.3f}"
+              f"   cpu-time ratio {cpu_ratios[-1]:.3f}", flush=True)
+    compact = dataclass_replace(cfg, store=str(out / "store-compact"), compact=True)
+    t_bare, tokens = bare_forward(target, data, cfg)
+    t_cmp = timed_extract(target, compact)
+    print(f"  compact: bare {tokens / t_bare:.0f} tok/s, extract {tokens / t_cmp:.0f} tok/s, ratio {t_bare / t_cmp:.3f}")
+
+    # Reads run on one thread, as a data-loading thread does (and as readinto does): a multi-threaded copy_ of
+    # a few MiB only adds OpenMP barriers, which on a busy machine cost more than the copy itself.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    files = sorted((Path(cfg.store) / SHARD_DIR).glob("*.safetensors"))
+    read_sequential(files, 1)  # into the page cache
+    reads = []
+    for k in range(2 * args.repeats + 1):
+        ts, bs = read_sequential(files, args.read_passes)
+        tr, br = read_random(Path(cfg.store), args.read_passes, seed=k)
+        reads.append((br / tr) / (bs / ts))
+        print(f"  sequential {bs / ts / 2**30:6.2f} GiB/s   random samples {br / tr / 2**30:6.2f} GiB/s   "
+              f"ratio {reads[-1]:.3f}", flush=True)
+    torch.set_num_threads(threads)
+
+    H = target.hidden_size
+    m_bf16 = StoreReader(cfg.store).manifest["totals"]
+    m_cmp = StoreReader(compact.store).manifest["totals"]
+    result = {
+        "target": args.target, "samples": m_bf16["samples"], "tokens": m_bf16["tokens"],
+        "threads": threads,
+        "extract_over_bare_forward": round(statistics.median(ratios), 3), "extract_ratios": [round(r, 3) for r in ratios],
+        "extract_over_bare_forward_cpu_time": round(statistics.median(cpu_ratios), 3),
+        "extract_cpu_ratios": [round(r, 3) for r in cpu_ratios],
+        "bare_tok_s": [round(a) for a, _ in rates], "extract_tok_s": [round(b) for _, b in rates],
+        "compact_extract_over_bare_forward": round(t_bare / t_cmp, 3),
+        "random_over_sequential_read": round(statistics.median(reads), 3), "read_ratios": [round(r, 3) for r in reads],
+        "reference_bytes_per_token": 8 * H,
+        "bf16_bytes_per_token": m_bf16["bytes_per_token"], "bf16_over_reference": round(m_bf16["bytes_per_token"] / (8 * H), 4),
+        "compact_bytes_per_token": m_cmp["bytes_per_token"],
+        "compact_over_reference": round(m_cmp["bytes_per_token"] / (8 * H), 4),
+    }
+    print("\n".join([
+        f"\nbench_extract: {args.target}, {result['samples']} samples, {result['tokens']:,} tokens, "
+        f"{result['threads']} threads, {args.repeats} repeats",
+        f"1. extraction / bare forward (same batches)      {result['extract_over_bare_forward']:.3f}  (goal >= 0.9; "
+        f"by CPU time, writer included: {result['extract_over_bare_forward_cpu_time']:.3f})",
+        f"2. random sample reads / sequential page cache   {result['random_over_sequential_read']:.3f}  (goal >= 0.8)",
+        f"3. bytes per token vs 8H = {8 * H}: bf16 {result['bf16_bytes_per_token']} "
+        f"({result['bf16_over_reference']:.4f}x), compact {result['compact_bytes_per_token']} "
+        f"({result['compact_over_reference']:.4f}x)",
+    ]))
+    (out / "bench_extract.json").write_text(json.dumps(result, indent=2))
+
+
+def dataclass_replace(cfg, **kw):
+    import dataclasses
+
+    return dataclasses.replace(cfg, **kw)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,396 @@
+"""The hidden-state store: checksummed safetensors shards plus a manifest, read zero-copy by memory mapping.
+
+    STORE/manifest.json                      what the store holds (see `write_manifest`)
+    STORE/shards/shard-000000.safetensors    many samples each, concatenated along the token axis
+
+A shard holds, for its T tokens (H = the target's hidden size):
+
+    input_ids [T] int32    loss_mask [T] int8    aux [T, 3H]    final [T, H]
+    bf16 store:    aux, final are bfloat16 (8H bytes per token of features)
+    compact store: aux, final are float8_e4m3fn, plus aux_exp [T, 3] and final_exp [T, 1] int8: each row of
+                   H values is q * 2**exp (per-row power-of-two scales, as in the MX formats): 4H + 4 bytes
+
+Sample k of a shard is rows offset..offset+length. A shard's header metadata (`eyas`) repeats its own index
+(rows, ids, offsets, lengths, checksums), so a shard describes itself: a restart trusts what it finds.
+A checksum is blake2b-128 over the sample's bytes of every tensor, in `TENSORS` order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import mmap
+import os
+import struct
+import warnings
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from eyas.errors import EyasError
+
+FORMAT, VERSION = "eyas-store", 1
+SHARD_DIR, MANIFEST = "shards", "manifest.json"
+TENSORS = ("input_ids", "loss_mask", "aux", "final", "aux_exp", "final_exp")  # checksum order
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# Worst-case error of the compact store, elementwise: |x - x~| <= |x| / 16 + amax(row) / COMPACT_ABS_DIV
+# (3 mantissa bits round to within 2**-4 relatively; below 2**-6 * scale, e4m3 subnormals step by 2**-9 * scale,
+# and the power-of-two scale is < amax / 224).
+COMPACT_REL, COMPACT_ABS_DIV = 1 / 16, 224 * 1024
+
+_ST_DTYPES = {torch.int32: "I32", torch.int8: "I8", torch.bfloat16: "BF16", torch.float8_e4m3fn: "F8_E4M3",
+              torch.int64: "I64", torch.float32: "F32", torch.float16: "F16"}
+_TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
+
+
+def bytes_per_token(hidden: int, compact: bool) -> int:
+    """Stored bytes per token: ids (4) + mask (1) + features (8H in bf16, 4H + 4 compact)."""
+    return 5 + (4 * hidden + 4 if compact else 8 * hidden)
+
+
+def shard_name(k: int) -> str:
+    return f"shard-{k:06d}.safetensors"
+
+
+# ---------------------------------------------------------------- compact (fp8) codec
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, H] float -> (q [N, H] float8_e4m3fn, exp [N] int8) with x ~= q * 2**exp."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1).clamp_min(2.0 ** -120)  # an all-zero row takes any scale
+    exp = torch.ceil(torch.log2(amax / FP8_MAX)).clamp(-127, 127)
+    y = (xf * torch.exp2(-exp).unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX)  # exact: scaling by a power of two
+    return y.to(torch.float8_e4m3fn), exp.to(torch.int8)
+
+
+def dequantize_rows(q: torch.Tensor, exp: torch.Tensor) -> torch.Tensor:
+    """q [N, ..., H] float8, exp [N, ...] int8 -> bf16 (exact: 4 significant bits fit bf16's 8)."""
+    return torch.ldexp(q.float(), exp.unsqueeze(-1).float()).to(torch.bfloat16)
+
+
+# ---------------------------------------------------------------- safetensors files
+
+def checksum(parts: Sequence[torch.Tensor]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for t in parts:
+        h.update(t.contiguous().view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
+    """Write a safetensors file atomically (temp name, fsync, rename); returns its size in bytes.
+
+    Tensors go in order of decreasing item size, so every tensor's data is aligned for zero-copy views.
+    """
+    names = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    header: dict = {"__metadata__": metadata}
+    pos = 0
+    for n in names:
+        t = tensors[n]
+        header[n] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
+        pos += t.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-(len(blob) + 8) % 8)  # data starts 8-byte aligned
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for n in names:
+            f.write(tensors[n].contiguous().view(torch.uint8).numpy().data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    return 8 + len(blob) + pos
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """(header, offset of the data section); an EyasError naming the file when it is not a whole shard."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > size - 8:
+                raise ValueError(f"header of {n} bytes in a {size}-byte file")
+            header = json.loads(f.read(n))
+    except FileNotFoundError:
+        raise EyasError(f"shard {path} is missing", fix="re-run the command that wrote the store") from None
+    except (ValueError, struct.error, UnicodeDecodeError) as e:
+        raise EyasError(f"shard {path} is corrupted: unreadable header ({e})",
+                        fix="delete the shard and re-run the command that wrote the store") from None
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end != size:
+        raise EyasError(f"shard {path} is truncated: {size:,} bytes, its header describes {8 + n + end:,}",
+                        fix="delete the shard and re-run the command that wrote the store (finished shards are kept)")
+    return header, 8 + n
+
+
+def shard_index(path: Path) -> dict:
+    """A complete shard's own index (its `eyas` metadata) plus its size."""
+    header, _ = read_header(path)
+    meta = json.loads(header.get("__metadata__", {}).get("eyas", "null") or "null")
+    if not isinstance(meta, dict) or "rows" not in meta:
+        raise EyasError(f"{path} is not an eyas shard (no `eyas` index in its metadata)",
+                        fix="remove foreign files from the store's shards folder")
+    return {**meta, "name": path.name, "bytes": path.stat().st_size}
+
+
+# ---------------------------------------------------------------- writing
+
+class ShardBuilder:
+    """One shard's samples in preallocated storage buffers; `commit` writes it atomically."""
+
+    def __init__(self, name: str, tokens: int, hidden: int, compact: bool):
+        fdt = torch.float8_e4m3fn if compact else torch.bfloat16
+        T, H = tokens, hidden
+        self.name, self.hidden, self.compact, self.fill = name, hidden, compact, 0
+        self.t = {"input_ids": torch.empty(T, dtype=torch.int32), "loss_mask": torch.empty(T, dtype=torch.int8),
+                  "aux": torch.empty(T, 3 * H, dtype=fdt), "final": torch.empty(T, H, dtype=fdt)}
+        if compact:
+            self.t["aux_exp"] = torch.empty(T, 3, dtype=torch.int8)
+            self.t["final_exp"] = torch.empty(T, 1, dtype=torch.int8)
+        self.entries: dict[str, list] = {"rows": [], "ids": [], "offsets": [], "lengths": [], "checksums": []}
+
+    def add(self, row: int, sample_id: str, input_ids, loss_mask, aux: Sequence[torch.Tensor], final) -> None:
+        """aux: the three feature layers, each [L, H]; final [L, H]; any float dtype (cast to storage)."""
+        o, L, H = self.fill, len(input_ids), self.hidden
+        if o + L > len(self.t["input_ids"]):
+            raise ValueError(f"{self.name}: sample {sample_id} overflows the shard's planned tokens")
+        sl = slice(o, o + L)
+        self.t["input_ids"][sl] = torch.as_tensor(input_ids).to(torch.int32)
+        self.t["loss_mask"][sl] = torch.as_tensor(loss_mask).to(torch.int8)
+        aux_out = self.t["aux"][sl].view(L, 3, H)  # [L, 3, H] view of [L, 3H]: low | mid | high
+        if self.compact:
+            q, e = quantize_rows(torch.stack([a[:L] for a in aux], dim=1).reshape(3 * L, H))
+            aux_out.copy_(q.view(L, 3, H))
+            self.t["aux_exp"][sl] = e.view(L, 3)
+            qf, ef = quantize_rows(final[:L])
+            self.t["final"][sl], self.t["final_exp"][sl] = qf, ef.view(L, 1)
+        else:
+            for j, a in enumerate(aux):
+                aux_out[:, j].copy_(a[:L])
+            self.t["final"][sl].copy_(final[:L])
+        self.fill += L
+        for k, v in zip(self.entries, (row, sample_id, o, L, checksum([t[sl] for t in self._ordered()]))):
+            self.entries[k].append(v)
+
+    def _ordered(self) -> list[torch.Tensor]:
+        return [self.t[n] for n in TENSORS if n in self.t]
+
+    def commit(self, folder: Path) -> dict:
+        """Write the shard (only now does it become visible); returns its index."""
+        if self.fill != len(self.t["input_ids"]):
+            raise ValueError(f"{self.name}: {self.fill} of {len(self.t['input_ids'])} planned tokens filled")
+        meta = {"format": FORMAT + "-shard", "version": VERSION, **self.entries}
+        size = write_safetensors(folder / self.name, self.t, {"eyas": json.dumps(meta, separators=(",", ":"))})
+        return {**meta, "name": self.name, "bytes": size}
+
+
+def check_coverage(shards: list[dict], expected_rows: int | None) -> list[str]:
+    """Problems with 'every sample in the store exactly once' (rows 0..expected_rows-1 when given)."""
+    seen: dict[int, str] = {}
+    problems = []
+    for s in shards:
+        for r, sid in zip(s["rows"], s["ids"]):
+            if r in seen:
+                problems.append(f"sample {sid} (row {r}) is in both {seen[r]} and {s['name']}")
+            seen[r] = s["name"]
+    if expected_rows is not None:
+        missing = [r for r in range(expected_rows) if r not in seen]
+        if missing:
+            problems.append(f"{len(missing)} of {expected_rows} samples are missing (rows {missing[:10]}...)")
+    return problems
+
+
+def write_manifest(store: Path, header: dict, shards: list[dict]) -> dict:
+    """Merge shard indexes into STORE/manifest.json (atomic); samples in row order, one per line."""
+    samples = sorted((r, sid, s["name"], o, n, c) for s in shards
+                     for r, sid, o, n, c in zip(s["rows"], s["ids"], s["offsets"], s["lengths"], s["checksums"]))
+    tokens = sum(x[4] for x in samples)
+    size = sum(s["bytes"] for s in shards)
+    totals = {"samples": len(samples), "tokens": tokens, "shards": len(shards), "bytes": size,
+              "bytes_per_token": round(size / max(tokens, 1), 1)}
+    shard_list = [{"name": s["name"], "bytes": s["bytes"], "samples": len(s["rows"]), "tokens": sum(s["lengths"])}
+                  for s in sorted(shards, key=lambda s: s["name"])]
+    head = {"format": FORMAT, "version": VERSION, **header, "totals": totals, "shards": shard_list}
+    text = json.dumps(head, indent=1)[:-2] + ',\n "samples": [\n'
+    text += ",\n".join(json.dumps({"row": r, "id": sid, "shard": sh, "offset": o, "length": n, "checksum": c})
+                       for r, sid, sh, o, n, c in samples)
+    text += "\n ]\n}\n"
+    tmp = store / f".{MANIFEST}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, store / MANIFEST)
+    return totals
+
+
+# ---------------------------------------------------------------- reading
+
+@dataclasses.dataclass
+class StoreSample:
+    id: str
+    input_ids: torch.Tensor  # [L] int64
+    loss_mask: torch.Tensor  # [L] int8, 1 on trained tokens
+    aux: torch.Tensor  # [L, 3H] bf16: the three feature layers, low | mid | high
+    final: torch.Tensor  # [L, H] bf16: last hidden state after the final norm
+
+
+class _Shard:
+    """A memory-mapped shard: one tensor view per stored tensor, over the whole file (no copy)."""
+
+    def __init__(self, path: Path):
+        header, start = read_header(path)
+        with open(path, "rb") as f:  # a private mapping: writes to a view never reach the file
+            self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        self.t = {}
+        for name, spec in header.items():
+            if name == "__metadata__":
+                continue
+            dt = _TORCH_DTYPES[spec["dtype"]]
+            a, b = spec["data_offsets"]
+            shape = spec["shape"]
+            self.t[name] = torch.frombuffer(self.mm, dtype=dt, count=(b - a) // dt.itemsize,
+                                            offset=start + a).view(shape) if b > a else torch.empty(shape, dtype=dt)
+
+
+class StoreReader:
+    """Random access to a store's samples; `reader[i]` returns zero-copy views into the memory-mapped shards.
+
+    `skip_bad=True` leaves out (and counts in `.skipped`) the samples of shards that are missing or truncated,
+    instead of refusing to open the store.
+    """
+
+    def __init__(self, path: str | Path, *, skip_bad: bool = False):
+        self.path = Path(path)
+        mpath = self.path / MANIFEST
+        if not mpath.is_file():
+            raise EyasError(f"{self.path} is not a hidden-state store (no {MANIFEST})",
+                            fix="give the folder written by `eyas extract` or `eyas store import`; "
+                                "an interrupted extract writes it when rerun to completion")
+        try:
+            self.manifest = json.loads(mpath.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise EyasError(f"{mpath} is corrupted: {e}", fix="re-run the command that wrote the store") from None
+        if self.manifest.get("format") != FORMAT or self.manifest.get("version") != VERSION:
+            raise EyasError(f"{mpath} is not an eyas store of version {VERSION}", fix="re-extract with this eyas")
+        self.bad_shards = self._check_files()
+        if self.bad_shards and not skip_bad:
+            name, why = next(iter(self.bad_shards.items()))
+            raise EyasError(f"store {self.path}: shard {name} {why}" + (
+                f" (and {len(self.bad_shards) - 1} more)" if len(self.bad_shards) > 1 else ""),
+                fix="re-run the extract/import command (it rewrites missing shards), or open with skip_bad")
+        all_samples = self.manifest["samples"]
+        self.samples = [s for s in all_samples if s["shard"] not in self.bad_shards]
+        self.skipped = len(all_samples) - len(self.samples)
+        self.lengths = np.fromiter((s["length"] for s in self.samples), dtype=np.int64, count=len(self.samples))
+        self.ids = [s["id"] for s in self.samples]
+        self._shards: dict[str, _Shard] = {}
+
+    def _check_files(self) -> dict[str, str]:
+        """Shards that are missing or whose size differs from the manifest (a cheap stat per shard)."""
+        bad = {}
+        for s in self.manifest["shards"]:
+            p = self.path / SHARD_DIR / s["name"]
+            if not p.is_file():
+                bad[s["name"]] = f"is missing ({p})"
+            elif p.stat().st_size != s["bytes"]:
+                bad[s["name"]] = f"has {p.stat().st_size:,} bytes, the manifest says {s['bytes']:,} (truncated?)"
+        return bad
+
+    # --- what the store is
+    @property
+    def identity(self) -> dict:
+        return dict(self.manifest["target"])
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return list(self.manifest["layer_ids"])
+
+    @property
+    def compact(self) -> bool:
+        return bool(self.manifest.get("compact"))
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.manifest["target"]["hidden_size"])
+
+    def check_target(self, identity: dict) -> None:
+        """Refuse a target other than the one the store was extracted from."""
+        mine = self.identity
+        diff = sorted(k for k in set(mine) | set(identity) if mine.get(k) != identity.get(k))
+        if diff:
+            detail = "; ".join(f"{k}: store {mine.get(k)!r}, target {identity.get(k)!r}" for k in diff)
+            raise EyasError(f"store {self.path} was extracted from another target ({detail})",
+                            "hidden states only teach a draft about the model that produced them",
+                            f"use --target {mine.get('name')} or extract a store from this target")
+
+    # --- samples
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def shard(self, name: str) -> _Shard:
+        sh = self._shards.get(name)
+        if sh is None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                sh = self._shards[name] = _Shard(self.path / SHARD_DIR / name)
+        return sh
+
+    def __getitem__(self, i: int) -> StoreSample:
+        s = self.samples[i]
+        t = self.shard(s["shard"]).t
+        sl = slice(s["offset"], s["offset"] + s["length"])
+        if self.compact:
+            L, H = s["length"], self.hidden_size
+            aux = dequantize_rows(t["aux"][sl].view(L, 3, H), t["aux_exp"][sl]).view(L, 3 * H)
+            final = dequantize_rows(t["final"][sl], t["final_exp"][sl, 0])
+        else:
+            aux, final = t["aux"][sl], t["final"][sl]
+        return StoreSample(s["id"], t["input_ids"][sl].long(), t["loss_mask"][sl], aux, final)
+
+    # --- checking
+    def verify(self, progress: Callable[[int], None] | None = None) -> list[str]:
+        """Recompute every checksum; the problems found, each naming the shard and sample (empty: all good).
+
+        `progress(n_bytes)` is called after each shard.
+        """
+        problems = [f"shard {n} {why}" for n, why in self.bad_shards.items()]
+        by_shard: dict[str, list[dict]] = {}
+        for s in self.manifest["samples"]:
+            by_shard.setdefault(s["shard"], []).append(s)
+        for info in self.manifest["shards"]:
+            name = info["name"]
+            if name not in self.bad_shards:
+                problems += self._verify_shard(name, by_shard.get(name, []))
+            if progress:
+                progress(info["bytes"])
+        return problems
+
+    def _verify_shard(self, name: str, samples: list[dict]) -> list[str]:
+        try:
+            t = self.shard(name).t
+        except EyasError as e:
+            return [str(e).split("\n")[0]]
+        if any(n not in t for n in ("input_ids", "loss_mask", "aux", "final")):
+            return [f"shard {name} lacks tensors (has {sorted(t)})"]
+        problems = []
+        rows = len(t["input_ids"])
+        for s in samples:
+            sl = slice(s["offset"], s["offset"] + s["length"])
+            if sl.stop > rows:
+                problems.append(f"shard {name}: sample {s['id']} ends at row {sl.stop}, the shard has {rows}")
+            elif checksum([t[n][sl] for n in TENSORS if n in t]) != s["checksum"]:
+                problems.append(f"shard {name}: sample {s['id']} (row {s['row']}) is corrupted (checksum differs)")
+        return problems

@@ -1,0 +1,184 @@
+"""The hidden-state store: format, zero-copy reader, compact codec, verify, info/verify CLI."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+
+from eyas import cli
+from eyas.errors import EyasError
+from eyas.store import (COMPACT_ABS_DIV, COMPACT_REL, SHARD_DIR, ShardBuilder, StoreReader, bytes_per_token,
+                        check_coverage, dequantize_rows, quantize_rows, shard_name, write_manifest)
+
+H = 16
+IDENTITY = {"name": "t", "architecture": "LlamaForCausalLM", "config_hash": "abc", "hidden_size": H,
+            "num_layers": 8, "vocab_size": 1000}
+
+
+def samples(n=7, seed=0):
+    """(row, id, input_ids, loss_mask, aux [L,3,H] fp32, final [L,H] fp32) with varied magnitudes per row."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for r in range(n):
+        L = int(torch.randint(1, 12, (1,), generator=g))
+        scale = torch.exp(torch.randn(L, 4, 1, generator=g) * 3)  # rows spanning orders of magnitude
+        x = torch.randn(L, 4, H, generator=g) * scale
+        out.append((r, f"id-{r}", torch.randint(0, 1000, (L,), generator=g), torch.randint(0, 2, (L,), generator=g),
+                    x[:, :3], x[:, 3]))
+    return out
+
+
+def build_store(root: Path, data, compact=False, per_shard=3) -> Path:
+    (root / SHARD_DIR).mkdir(parents=True)
+    shards = []
+    for k in range(0, len(data), per_shard):
+        part = data[k: k + per_shard]
+        b = ShardBuilder(shard_name(k // per_shard), sum(len(d[2]) for d in part), H, compact)
+        for r, sid, ids, mask, aux, final in part:
+            b.add(r, sid, ids, mask, list(aux.unbind(1)), final)
+        shards.append(b.commit(root / SHARD_DIR))
+    header = {"source": "test", "target": IDENTITY, "layer_ids": [2, 4, 5], "hidden_size": H,
+              "dtype": "float8_e4m3fn" if compact else "bfloat16", "compact": compact, "dataset": None}
+    write_manifest(root, header, shards)
+    return root
+
+
+def test_roundtrip_bf16_is_exact_and_zero_copy(tmp_path):
+    data = samples()
+    r = StoreReader(build_store(tmp_path / "s", data))
+    assert len(r) == len(data) and r.lengths.tolist() == [len(d[2]) for d in data]
+    assert r.identity == IDENTITY and r.layer_ids == [2, 4, 5]
+    for i, (row, sid, ids, mask, aux, final) in enumerate(data):
+        s = r[i]
+        assert s.id == sid and s.input_ids.dtype == torch.int64 and torch.equal(s.input_ids, ids)
+        assert s.loss_mask.tolist() == mask.tolist()
+        assert torch.equal(s.aux, aux.to(torch.bfloat16).reshape(len(ids), 3 * H))
+        assert torch.equal(s.final, final.to(torch.bfloat16))
+    a, b = r[0], r[1]  # same shard: views of one memory-mapped buffer, no copy
+    assert a.aux.untyped_storage().data_ptr() == b.aux.untyped_storage().data_ptr()
+    assert a.aux.data_ptr() != b.aux.data_ptr()
+
+
+def test_shards_are_plain_safetensors_files(tmp_path):
+    data = samples()
+    build_store(tmp_path / "s", data)
+    with safe_open(str(tmp_path / "s" / SHARD_DIR / shard_name(0)), "pt") as f:
+        assert set(f.keys()) == {"input_ids", "loss_mask", "aux", "final"}
+        ids = f.get_tensor("input_ids")
+        meta = json.loads(f.metadata()["eyas"])
+    assert meta["rows"] == [0, 1, 2] and ids.tolist() == torch.cat([d[2] for d in data[:3]]).tolist()
+
+
+def test_compact_roundtrip_is_within_the_stated_bound(tmp_path):
+    data = samples()
+    r = StoreReader(build_store(tmp_path / "s", data, compact=True))
+    for i, (_, _, ids, _, aux, final) in enumerate(data):
+        s = r[i]
+        for x, y in ((aux, s.aux.view(len(ids), 3, H)), (final, s.final)):
+            bound = x.abs() * COMPACT_REL + x.abs().amax(-1, keepdim=True) / COMPACT_ABS_DIV
+            assert ((x - y.float()).abs() <= bound).all()
+    assert bytes_per_token(576, True) == 4 * 576 + 9 and bytes_per_token(576, False) == 8 * 576 + 5
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(-40, 40), st.integers(0, 2**31 - 1))
+def test_fp8_codec_bound_holds_at_any_magnitude(log2_scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, 32, generator=g) * 2.0 ** log2_scale
+    x[0] = 0.0  # an all-zero row
+    x[1, :16] *= 1e-6  # tiny values next to large ones (subnormal range)
+    q, e = quantize_rows(x)
+    y = dequantize_rows(q, e).float()
+    bound = x.abs() * COMPACT_REL + x.abs().amax(-1, keepdim=True) / COMPACT_ABS_DIV
+    assert torch.isfinite(y).all() and ((x - y).abs() <= bound).all()
+    assert torch.equal(y[0], torch.zeros(32))
+
+
+def test_check_target_refuses_another_target(tmp_path):
+    r = StoreReader(build_store(tmp_path / "s", samples()))
+    r.check_target(dict(IDENTITY))
+    with pytest.raises(EyasError, match="config_hash"):
+        r.check_target({**IDENTITY, "config_hash": "other"})
+
+
+def test_coverage_names_duplicates_and_missing_rows():
+    a = {"name": "a", "rows": [0, 1], "ids": ["x", "y"]}
+    b = {"name": "b", "rows": [1, 3], "ids": ["y", "w"]}
+    problems = check_coverage([a, b], 4)
+    assert any("in both a and b" in p for p in problems) and any("missing" in p and "[2]" in p for p in problems)
+    assert check_coverage([a], 2) == []
+
+
+def flip_byte(path: Path, where: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[where] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def test_verify_names_a_flipped_byte_a_truncated_and_a_missing_shard(tmp_path):
+    data = samples(9)
+    store = build_store(tmp_path / "s", data)
+    assert StoreReader(store).verify() == []
+    shards = sorted((store / SHARD_DIR).iterdir())
+    flip_byte(shards[0], shards[0].stat().st_size - 3)  # inside the last tensor of the last sample
+    problems = StoreReader(store).verify()
+    assert len(problems) == 1 and shards[0].name in problems[0] and "id-2" in problems[0]
+    with open(shards[1], "r+b") as f:
+        f.truncate(shards[1].stat().st_size - 10)
+    shards[2].unlink()
+    with pytest.raises(EyasError, match=shards[1].name):  # the reader refuses by default...
+        StoreReader(store)
+    skipping = StoreReader(store, skip_bad=True)  # ...or skips and counts when asked
+    assert len(skipping) == 3 and skipping.skipped == 6
+    problems = skipping.verify()
+    assert any(shards[1].name in p and "truncated" in p for p in problems)
+    assert any(shards[2].name in p and "missing" in p for p in problems)
+
+
+def test_store_cli_info_and_verify(tmp_path, capsys):
+    store = build_store(tmp_path / "s", samples(9))
+    assert cli.main(["store", "info", str(store), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    tokens = sum(len(d[2]) for d in samples(9))
+    assert info["samples"] == 9 and info["tokens"] == tokens and info["reference_bytes_per_token"] == 8 * H
+    assert cli.main(["store", "verify", str(store), "--quiet"]) == 0
+    shard = store / SHARD_DIR / shard_name(1)
+    flip_byte(shard, shard.stat().st_size - 1)
+    assert cli.main(["store", "verify", str(store), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert shard.name in err and "id-5" in err and "checksum" in err
+
+
+def test_not_a_store_and_a_damaged_manifest_are_clear_errors(tmp_path):
+    with pytest.raises(EyasError, match="not a hidden-state store"):
+        StoreReader(tmp_path)
+    store = build_store(tmp_path / "s", samples(3))
+    (store / "manifest.json").write_text("{ cut")
+    with pytest.raises(EyasError, match="corrupted"):
+        StoreReader(store)
+
+
+def test_lengths_is_a_numpy_array(tmp_path):
+    r = StoreReader(build_store(tmp_path / "s", samples(4)))
+    assert isinstance(r.lengths, np.ndarray) and r.lengths.dtype == np.int64
+
+
+def test_verify_against_the_prepared_data_names_a_sample_with_other_tokens(tmp_path, capsys):
+    from datasets import Dataset
+
+    data = samples(4)
+    store = build_store(tmp_path / "s", data)
+    rows = {"id": [d[1] for d in data], "input_ids": [d[2].tolist() for d in data],
+            "loss_mask": [d[3].tolist() for d in data], "num_tokens": [len(d[2]) for d in data]}
+    Dataset.from_dict(rows).save_to_disk(str(tmp_path / "prep" / "train"))
+    assert cli.main(["store", "verify", str(store), "--data", str(tmp_path / "prep"), "--quiet"]) == 0
+    rows["input_ids"][2][0] += 1
+    Dataset.from_dict(rows).save_to_disk(str(tmp_path / "prep2" / "train"))
+    assert cli.main(["store", "verify", str(store), "--data", str(tmp_path / "prep2"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "1 problem" in err and "sample id-2 (row 2) has other token ids" in err and shard_name(0) in err
