@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 
 from eyas.model import Eagle3Draft, attend
 
@@ -90,7 +89,7 @@ def ttt_forward(model: Eagle3Draft, input_ids: torch.Tensor, aux: torch.Tensor, 
     layers = model.all_layers()
     keys = [[] for _ in layers]
     values = [[] for _ in layers]
-    loss_sum, correct, count = [], [], []
+    rows, target_rows, count = [], [], []
     for i in range(steps):
         tokens = shift_left(input_ids, 1 + i)  # x[t+1+i]
         embeds = model.embed_tokens(tokens).to(hidden.dtype)
@@ -102,12 +101,68 @@ def ttt_forward(model: Eagle3Draft, input_ids: torch.Tensor, aux: torch.Tensor, 
             hidden = layer.finish(chain_attention(q, keys[li], values[li], mask0), residual)
         predicted = shift_left(input_ids, 2 + i)  # x[t+2+i]
         valid = (shift_left(loss_mask, 2 + i) > 0) & model.t2d[predicted] & (shift_left(doc_ids, 2 + i, -1) == doc_ids)
-        target = shift_left(target_logp, 1 + i)[valid]  # [N,Vd]
-        logq = F.log_softmax(model.logits(hidden[valid]).float(), dim=-1)  # [N,Vd], only counted positions
-        loss_sum.append(-(target.exp() * logq).sum())
-        correct.append((logq.argmax(-1) == target.argmax(-1)).sum())
+        rows.append(hidden[valid])  # [N_i,H], only counted positions
+        b, t = valid.nonzero(as_tuple=True)
+        target_rows.append(b * T + t + 1 + i)  # rows of target_logp viewed [B*T,Vd]: p_{t+1+i}
         count.append(valid.sum())
-    return TTTResult(torch.stack(loss_sum), torch.stack(correct).detach(), torch.stack(count))
+    # One output-head pass over every step's counted positions: one weight cast and one weight gradient instead
+    # of one per step, and the [N,Vd] work fused (see SoftCrossEntropy).
+    count = torch.stack(count)
+    target = target_logp.reshape(B * T, -1)[torch.cat(target_rows)]  # [N,Vd]
+    loss_row, hit = soft_cross_entropy(model.norm(torch.cat(rows)), model.lm_head.weight, target)  # [N], [N]
+    step = torch.repeat_interleave(torch.arange(steps, device=dev), count)  # [N] the TTT step of each row
+    loss_sum = torch.zeros(steps, dtype=loss_row.dtype, device=dev).index_add(0, step, loss_row)
+    correct = torch.zeros(steps, dtype=torch.long, device=dev).index_add(0, step, hit.long())
+    return TTTResult(loss_sum, correct, count)
+
+
+class SoftCrossEntropy(torch.autograd.Function):
+    """Cross-entropy of the draft against a soft target, fused: rows h [N,H] (after the final norm), head
+    W [Vd,H], target log-probs [N,Vd] -> (loss per row [N] float32, draft top-1 == target top-1 [N] bool).
+
+        loss = -sum_v p_v log q_v = lse(z) - p.z     (z = h W^T, sum_v p_v = 1)
+        dloss/dz = softmax(z) - p
+
+    The logits come from one matmul (bf16 under autocast); the rest runs over row chunks small enough to stay in
+    cache, and the gradient dz overwrites the logits, so the backward pass is just the two matmuls. Same values
+    as log_softmax + multiply + sum, with a few passes over [N,Vd] instead of about fifteen.
+    """
+
+    @staticmethod
+    def forward(ctx, h, W, target_logp, chunk: int):
+        kind = h.device.type
+        dt = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else h.dtype
+        hc, Wc = h.to(dt), W.to(dt)
+        z = hc @ Wc.T  # [N,Vd] logits, then dz in place
+        N = z.shape[0]
+        loss = torch.empty(N, dtype=torch.float32, device=h.device)
+        hit = torch.empty(N, dtype=torch.bool, device=h.device)
+        for s in range(0, N, chunk):
+            zf = z[s:s + chunk].float()  # [c,Vd]
+            m, top = zf.max(-1)
+            e = zf.sub_(m[:, None]).exp()  # exp(z - m)
+            total = e.sum(-1)
+            tl = target_logp[s:s + chunk].float()
+            p = tl.exp()
+            loss[s:s + chunk] = total.log() - (p * zf).sum(-1)  # lse(z) - p.z; shift-invariant as sum p = 1
+            hit[s:s + chunk] = top == tl.max(-1).indices
+            z[s:s + chunk] = e.mul_(total.reciprocal()[:, None]).sub_(p)  # softmax(z) - p
+        ctx.save_for_backward(hc, Wc, z)
+        ctx.dtypes = (h.dtype, W.dtype)
+        return loss, hit
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_hit):
+        hc, Wc, dz = ctx.saved_tensors
+        dz = dz * grad_loss.to(dz.dtype)[:, None]  # [N,Vd]
+        grad_h = (dz @ Wc).to(ctx.dtypes[0]) if ctx.needs_input_grad[0] else None
+        grad_W = (dz.T @ hc).to(ctx.dtypes[1]) if ctx.needs_input_grad[1] else None
+        return grad_h, grad_W, None, None
+
+
+def soft_cross_entropy(h: torch.Tensor, W: torch.Tensor, target_logp: torch.Tensor):
+    """See SoftCrossEntropy. Row chunks of 16 on CPU (the [16,Vd] float32 work stays in L2), larger on GPUs."""
+    return SoftCrossEntropy.apply(h, W, target_logp, 16 if h.device.type == "cpu" else 4096)
 
 
 def step_weights(steps: int, decay: float, device=None) -> torch.Tensor:

@@ -1,0 +1,110 @@
+"""`eyas evaluate`: benchmarks, settings, the figures' arithmetic on hand-made records, and a whole run on the
+tiny target through the CLI."""
+
+import json
+
+import pytest
+import torch
+
+from eyas.errors import EyasError
+from eyas.evaluate import EvalConfig, load_bench
+from eyas.evaluate_report import method_figures
+from speculate_helpers import trained_draft
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_mt_bench_and_gsm8k_load_from_the_shared_data():
+    from eyas.paths import shared_data_dir
+
+    items = load_bench("mt_bench")
+    lines = [json.loads(x) for x in (shared_data_dir() / "mt_bench/question.jsonl").read_text().splitlines() if x]
+    assert len(items) == len(lines) and all(len(i.turns) == 2 for i in items)
+    assert items[0].turns == lines[0]["turns"] and items[0].category == lines[0]["category"]
+    assert {i.category for i in items} == {x["category"] for x in lines}
+    g = load_bench("gsm8k", num_prompts=3)
+    first = json.loads((shared_data_dir() / "gsm8k/test.jsonl").read_text().splitlines()[0])
+    assert len(g) == 3 and g[0].turns == [first["question"]] and g[0].category == "gsm8k"
+
+
+def test_jsonl_prompts_in_several_shapes_and_errors_naming_the_line(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"turns": ["a", "b"], "category": "x"}\n{"prompt": "c"}\n\n'
+                 '{"id": 7, "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "d"}]}\n')
+    items = load_bench(str(f))
+    assert [(i.id, i.category, i.turns) for i in items] == [("p:1", "x", ["a", "b"]), ("p:2", "all", ["c"]),
+                                                          ("7", "all", ["d"])]
+    f.write_text('{"prompt": "ok"}\n{"prompt": \n')
+    with pytest.raises(EyasError, match=r"p\.jsonl:2"):
+        load_bench(str(f))
+    f.write_text('{"prompt": "ok"}\n{"answer": "no prompt"}\n')
+    with pytest.raises(EyasError, match=r"p\.jsonl:2: no prompt"):
+        load_bench(str(f))
+    with pytest.raises(EyasError, match="neither"):
+        load_bench(str(tmp_path / "missing.jsonl"))
+
+
+@pytest.mark.parametrize("bad", [dict(chain=(0,)), dict(chain=(), tree=False), dict(tree_size=2, tree_depth=5),
+                                 dict(temperature=-1.0), dict(max_new_tokens=0), dict(num_prompts=-1)])
+def test_settings_are_validated(bad):
+    with pytest.raises(EyasError):
+        EvalConfig(**bad)
+
+
+def test_figures_on_hand_made_records():
+    lat = {1: 0.050, 2: 0.052, 4: 0.060}
+    rnd = lambda a, size, t, tt, dt, calls: dict(depth=size, size=size, accepted=a, time_s=t, target_s=tt,  # noqa
+                                                 draft_s=dt, draft_calls=calls)
+    recs = [{"tokens": list(range(7)), "decode_s": 0.25,
+             "rounds": [rnd(3, 3, 0.08, 0.06, 0.015, 3), rnd(1, 3, 0.08, 0.06, 0.015, 3)]},
+            {"tokens": list(range(3)), "decode_s": 0.10, "rounds": [rnd(1, 1, 0.06, 0.052, 0.005, 1)]}]
+    f = method_figures(recs, base_tps=10.0, latency=lat)
+    assert f["tokens_per_s"] == pytest.approx((6 + 2) / 0.35)
+    assert f["speedup"] == pytest.approx((8 / 0.35) / 10.0)
+    # sum (a+1) t(1) / sum (t(q) + draft): a + 1 = 4, 2, 2 and q = 4, 4, 2
+    assert f["predicted_speedup"] == pytest.approx(8 * 0.050 / (0.060 + 0.015 + 0.060 + 0.015 + 0.052 + 0.005))
+    assert f["efficiency"] == pytest.approx(f["speedup"] / f["predicted_speedup"])
+    assert f["overhead_share"] == pytest.approx((0.35 - 0.172 - 0.035) / 0.35)
+    assert f["draft_step_ms"] == pytest.approx(1000 * 0.035 / 7)
+    assert f["tau"] == pytest.approx(8 / 3) and f["accept_rate_by_position"] == [1.0, 1 / 2, 1.0]
+
+
+def test_evaluate_end_to_end_on_the_tiny_target(tiny_target, tmp_path, capsys):
+    from eyas.cli import main
+
+    draft_dir = tmp_path / "draft"
+    trained_draft(tiny_target).save_pretrained(draft_dir)
+    bench = tmp_path / "b.jsonl"
+    bench.write_text('{"turns": ["Tell me a story.", "Shorter."], "category": "writing"}\n'
+                     '{"prompt": "What is 2+2?", "category": "math"}\n')
+    out = tmp_path / "out"
+    code = main(["evaluate", "--target", "tiny", "--draft", str(draft_dir), "--bench", str(bench), "--out", str(out),
+                 "--chain", "3", "--tree-topk", "2", "--tree-depth", "3", "--tree-size", "6", "--max-new-tokens", "12",
+                 "--baselines", "prompt-lookup", "oracle", str(draft_dir), "--dtype", "float32",
+                 "--latency-prefix", "32", "--threads", "1", "--json"])
+    assert code == 0
+    res = json.loads((out / "results.json").read_text())
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["configs"] == res["configs"]
+    names = [c["name"] for c in res["configs"]]
+    assert names == ["eagle3 chain k=3", "eagle3 tree k=2 d=3 n=6", "prompt-lookup k=7", "oracle k=3",
+                     "draft chain k=3"]
+    assert all(c["lossless"]["checked"] and c["lossless"]["identical"] for c in res["configs"])
+    oracle = res["configs"][3]
+    assert oracle["tau"] > 3.0 and oracle["accept_rate_by_position"] == [1.0, 1.0, 1.0]
+    assert res["bench"]["turns"] == 3 and set(res["configs"][0]["per_category"]) == {"math", "writing"}
+    b = res["baseline"]
+    assert b["hf_generate"]["same_tokens_as_eyas"] is True
+    assert b["tokens_per_s"] == max(b["eyas_greedy"]["tokens_per_s"], b["hf_generate"]["tokens_per_s"])
+    for c in res["configs"]:
+        assert c["speedup"] == pytest.approx(c["tokens_per_s"] / b["tokens_per_s"])
+    assert set(res["latency_ms"]) >= {"1", "4", "8", "16", "32"}
+    for name in ("report.md", "acceptance_by_position.png", "tau_per_category.png", "speedup.png"):
+        assert (out / name).stat().st_size > 0
+    assert "lossless" in (out / "report.md").read_text()

@@ -1,0 +1,274 @@
+"""The speculative decoding engine against independent references: transformers' own forward and `generate`,
+brute-force tree ancestry, hand-made acceptance traces, and the target's distribution at temperature > 0."""
+
+import pytest
+import torch
+
+from eyas.speculate import (Proposal, acceptance_stats, first_divergence, plain_generate, speculative_generate,
+                            tree_mask, verify_greedy, verify_sampling)
+from eyas.speculate_drafters import Controller, Eagle3Drafter, OracleDrafter, PromptLookupDrafter, TreeShape
+from eyas.speculate_target import HFRunner, LeanRunner, attention_mask
+from speculate_helpers import random_prompts, trained_draft, untrained_draft
+
+NEW = 32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and on a busy machine two threads wait on each other."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def hf_greedy(target, prompt, n):
+    """transformers' generate: the reference greedy continuation (no stop token: exactly n tokens)."""
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = target.model.generate(torch.tensor([prompt]), generation_config=gc)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def refs(tiny_target):
+    prompts = random_prompts(16)[:4] + random_prompts(2, seed=5)  # 4 seen by the trained draft, 2 unseen
+    return [(p, hf_greedy(tiny_target, p, NEW)) for p in prompts]
+
+
+def random_parents(n, g):
+    return torch.tensor([int(torch.randint(-1, j, (1,), generator=g)) if j else -1 for j in range(n)])
+
+
+def test_tree_mask_is_ancestors_or_self():
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 5, 12):
+        parents = random_parents(n, g)
+        m = tree_mask(parents)
+        for i in range(n + 1):
+            anc, node = {i}, i  # brute force: walk up to the root (node 0)
+            while node:
+                node = int(parents[node - 1]) + 1
+                anc.add(node)
+            assert set(torch.nonzero(m[i]).flatten().tolist()) == anc
+    full = attention_mask(7, m, n + 1, "cpu")[0, 0]  # the runner adds the prefix, all visible
+    assert full.shape == (n + 1, 7 + n + 1) and full[:, :7].all() and torch.equal(full[:, 7:], m)
+
+
+@pytest.mark.parametrize("impl", [LeanRunner, HFRunner])
+def test_runner_tree_forward_equals_plain_forward_of_each_path(tiny_target, impl):
+    """Every node's logits and features equal transformers' plain forward over prefix + the node's path."""
+    model, g = tiny_target.model, torch.Generator().manual_seed(1)
+    runner = impl(tiny_target, tiny_target.default_feature_layers())
+    prefix = torch.randint(0, 40000, (9,), generator=g)
+    runner.prefill(prefix)
+    parents = random_parents(6, g)
+    tokens = torch.randint(0, 40000, (7,), generator=g)  # root + 6 nodes
+    depth = [0] + Proposal(tokens[1:], parents).depths()
+    logits, feats = runner.forward(tokens, 9 + torch.tensor(depth), tree_mask(parents))
+    for i in range(7):
+        path, node = [i], i
+        while node:
+            node = int(parents[node - 1]) + 1
+            path.insert(0, node)
+        out = model(torch.cat((prefix, tokens[path]))[None], output_hidden_states=True)
+        torch.testing.assert_close(logits[i], out.logits[0, -1], rtol=1e-4, atol=1e-4)
+        want = torch.cat([out.hidden_states[j][0, -1] for j in runner.feature_layers])
+        torch.testing.assert_close(feats[i], want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("impl", [LeanRunner, HFRunner])
+def test_runner_commit_keeps_the_accepted_path_only(tiny_target, impl):
+    """After committing a tree path, the next token sees exactly prefix + path (rejected entries are gone)."""
+    model, g = tiny_target.model, torch.Generator().manual_seed(2)
+    runner = impl(tiny_target, tiny_target.default_feature_layers())
+    prefix = torch.randint(0, 40000, (6,), generator=g)
+    runner.prefill(prefix)
+    parents = torch.tensor([-1, -1, 1, 0, 2])  # root -> {1, 2}, 2 -> 3 -> 5, 1 -> 4
+    tokens = torch.randint(0, 40000, (6,), generator=g)
+    runner.forward(tokens, 6 + torch.tensor([0, 1, 1, 2, 2, 3]), tree_mask(parents))
+    runner.commit([0, 2, 3, 5])  # root, node 2 (index 2), its child 3, grandchild 5
+    assert runner.length == 10
+    nxt = torch.randint(0, 40000, (2,), generator=g)
+    logits, _ = runner.forward(nxt)
+    want = model(torch.cat((prefix, tokens[[0, 2, 3, 5]], nxt))[None]).logits[0, -2:]
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("impl", [LeanRunner, HFRunner])
+def test_plain_generate_equals_transformers_generate(tiny_target, refs, impl):
+    runner = impl(tiny_target, tiny_target.default_feature_layers())
+    for prompt, ref in refs:
+        assert plain_generate(runner, prompt, NEW).tokens == ref
+
+
+def _drafter(kind, target):
+    chain, tree = 4, TreeShape(topk=3, depth=4, size=10)
+    if kind.startswith("oracle"):
+        return OracleDrafter(chain, tree=kind.endswith("tree"), vocab=target.vocab_size)
+    if kind == "prompt-lookup":
+        return PromptLookupDrafter(chain)
+    draft = trained_draft(target) if kind.startswith("trained") else untrained_draft(target)
+    return Eagle3Drafter(draft, k=chain, tree=tree if kind.endswith("tree") else None)
+
+
+KINDS = ["untrained-chain", "untrained-tree", "trained-chain", "trained-tree", "oracle-chain", "oracle-tree",
+         "prompt-lookup"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_speculation_equals_greedy_decoding(tiny_target, refs, kind):
+    runner = LeanRunner(tiny_target, tiny_target.default_feature_layers())
+    drafter = _drafter(kind, tiny_target)
+    taus = []
+    for prompt, ref in refs:
+        if isinstance(drafter, OracleDrafter):
+            drafter.set_reference(ref)
+        g = speculative_generate(runner, drafter, prompt, NEW)
+        assert g.tokens == ref, f"{kind}: diverges at token {first_divergence(ref, g.tokens)}"
+        accepted = [r.accepted for r in g.rounds]
+        taus.append(acceptance_stats(accepted, [r.depth for r in g.rounds])["tau"])
+        if kind.startswith("oracle"):  # every round accepts all it proposed: 4 (the last one what was left)
+            assert accepted[:-1] == [4] * (len(accepted) - 1) and sum(accepted) + len(accepted) >= NEW - 1
+    if kind.startswith("oracle"):
+        assert min(taus) >= 4.0  # k + 1 = 5 except the shorter last round (31 tokens in 7 rounds)
+    if kind.startswith("trained"):
+        assert sum(taus[:4]) / 4 > 2.0, taus  # on the prompts it was trained on
+
+
+def test_a_stop_token_inside_an_accepted_draft_ends_generation(tiny_target, refs):
+    runner = LeanRunner(tiny_target, tiny_target.default_feature_layers())
+    prompt, ref = refs[1]
+    i = next(j for j in range(6, NEW) if ref[j] not in ref[:j])
+    stop = {ref[i]}
+    assert plain_generate(runner, prompt, NEW, stop=stop).tokens == ref[: i + 1]
+    drafter = OracleDrafter(4, vocab=tiny_target.vocab_size)
+    drafter.set_reference(ref)
+    g = speculative_generate(runner, drafter, prompt, NEW, stop=stop)
+    assert g.tokens == ref[: i + 1] and len(g.rounds) == -(-i // 5)  # 5 tokens a round, no round after the stop
+
+
+def test_adaptive_controller_stays_lossless_and_drafts_when_it_pays(tiny_target, refs):
+    runner = LeanRunner(tiny_target, tiny_target.default_feature_layers())
+    lat = {1: 1.0, 2: 1.05, 5: 1.2}  # seconds: the tiny draft costs next to nothing beside these
+    for draft, want_drafted in ((trained_draft(tiny_target), True), (untrained_draft(tiny_target), False)):
+        ctl = Controller(lat, kmax=4)
+        drafter = Eagle3Drafter(draft, k=4)
+        rounds = []
+        for prompt, ref in refs[:4]:
+            g = speculative_generate(runner, drafter, prompt, NEW, controller=ctl)
+            assert g.tokens == ref
+            rounds += g.rounds
+        share = sum(r.depth > 0 for r in rounds) / len(rounds)
+        assert (share > 0.5) if want_drafted else (share < 0.35), share
+
+
+def test_draft_tree_scores_equal_the_chain_along_each_path(tiny_target):
+    """Tree attention inside the draft: each node's cumulative log-prob equals running the draft as a chain along
+    that node's path (the draft's tree mask lets a node see its ancestors and the committed prefix only)."""
+    draft = trained_draft(tiny_target)
+    runner = LeanRunner(tiny_target, tiny_target.default_feature_layers())
+    prompt = random_prompts(16)[3]
+    logits, feats = runner.prefill(torch.tensor(prompt))
+    seq = prompt + [int(logits[-1].argmax())]
+    tree = Eagle3Drafter(draft, tree=TreeShape(topk=3, depth=4, size=12))
+    tree.start(seq, feats)
+    prop = tree.propose(seq, 0.0, None, None)
+    assert len(prop) == 12 and max(prop.depths()) >= 3
+    t2d = torch.full((tiny_target.vocab_size,), -1, dtype=torch.long)
+    t2d[draft.target_ids()] = torch.arange(draft.cfg.draft_vocab_size)
+    for j in range(len(prop)):
+        path, node = [], j
+        while node >= 0:
+            path.insert(0, node)
+            node = int(prop.parents[node])
+        chain = Eagle3Drafter(draft, k=len(path))
+        chain.start(seq, feats)  # the draft's prefill: the committed cache and the root's output
+        h, logits = chain.ready
+        total, cache, pos = 0.0, chain.cache, chain.done - 1
+        for i, n in enumerate(path):
+            tok = int(prop.tokens[n])
+            total += float(torch.log_softmax(logits.float(), -1)[t2d[tok]])
+            h, lg, cache = chain._forward(torch.tensor([[tok]]), h, torch.tensor([[pos + 1 + i]]), cache)
+            logits = lg[0]
+        assert abs(total - float(prop.scores[j])) < 1e-4, (j, path)
+
+
+def test_verify_greedy_walks_the_matching_branch():
+    # root -> a(1) b(2); b -> c(3) ; c -> d(4)
+    tokens, parents = [10, 11, 12, 13], [-1, -1, 1, 2]
+    # target after root wants 11 (b), after b wants 12 (c), after c wants 99 (not d)
+    nxt = [11, 0, 12, 99, 0]
+    assert verify_greedy(nxt, tokens, parents) == ([2, 3], 99)
+    assert verify_greedy([5, 0, 0, 0, 0], tokens, parents) == ([], 5)
+
+
+def _first_token_law(p, q_or_children, n, seed):
+    """Empirical law of the first emitted token over n seeded rounds."""
+    V = p.shape[1]
+    counts = torch.zeros(V)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        if isinstance(q_or_children, list):  # deterministic children of the root
+            kids = q_or_children
+            path, bonus = verify_sampling(p, kids, [-1] * len(kids), None, g)
+            first = kids[path[0] - 1] if path else bonus
+        else:  # one child drawn from q (chain)
+            x = int(torch.multinomial(q_or_children, 1, generator=g))
+            path, bonus = verify_sampling(p, [x], [-1], q_or_children[None], g)
+            first = x if path else bonus
+        counts[first] += 1
+    return counts / n
+
+
+@pytest.mark.parametrize("case", ["chain", "tree"])
+def test_speculative_sampling_keeps_the_target_distribution(case):
+    p0 = torch.tensor([0.40, 0.25, 0.20, 0.10, 0.05])
+    q0 = torch.tensor([0.05, 0.10, 0.15, 0.30, 0.40])  # a poor draft: mass where the target has little
+    p = torch.stack([p0, torch.full((5,), 0.2), torch.full((5,), 0.2), torch.full((5,), 0.2)])  # rows after each node
+    n = 20000
+    law = _first_token_law(p, q0 if case == "chain" else [4, 0, 3], n, seed=3)
+    bound = 5 * torch.sqrt(p0 * (1 - p0) / n)  # 5 sigma per token
+    assert ((law - p0).abs() < bound).all(), (law, p0)
+    # and the draft's own law would have failed the same bound
+    assert ((q0 - p0).abs() > bound).any()
+
+
+def test_acceptance_stats_on_hand_traces():
+    s = acceptance_stats(accepted=[0, 2, 3, 0], depth=[3, 3, 3, 0])
+    assert s["rounds"] == 4 and s["drafted_rounds"] == 3
+    assert s["tau"] == (5 + 4) / 4 and s["tau_drafted"] == (5 + 3) / 3
+    assert s["tau_hist"] == {"1": 2, "3": 1, "4": 1}
+    assert s["accept_rate_by_position"] == [2 / 3, 2 / 2, 1 / 2]
+    assert s["reach_by_position"] == [2 / 3, 2 / 3, 1 / 3]
+    s = acceptance_stats(accepted=[1, 1, 0], depth=[1, 3, 2])  # shorter proposals do not count at deeper positions
+    assert s["accept_rate_by_position"] == [2 / 3, 0 / 1, None]
+    assert acceptance_stats([], [])["tau"] is None
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match():
+    d = PromptLookupDrafter(k=3, ngram=3)
+    assert d.propose([1, 2, 3, 9, 8, 7, 6, 5, 1, 2, 3], 0.0, None, None).tokens.tolist() == [9, 8, 7]
+    assert d.propose([4, 5, 1, 2, 7, 7, 1, 2, 9, 1, 2], 0.0, None, None).tokens.tolist() == [9, 1, 2]  # latest
+    assert d.propose([1, 2, 3, 4], 0.0, None, None).tokens.tolist() == []
+    assert d.propose([5, 6, 5], 0.0, None, 1).tokens.tolist() == [6]  # unigram fallback, budget 1
+
+
+def test_controller_picks_plain_for_a_poor_draft_and_long_chains_for_a_good_one():
+    from eyas.speculate import Round
+
+    lat = {1: 0.060, 2: 0.060, 4: 0.061, 8: 0.066, 16: 0.084}
+    poor, good = Controller(lat, kmax=7), Controller(lat, kmax=7)
+    picks = []
+    for _ in range(200):
+        k = poor.choose()
+        picks.append(k)
+        poor.observe(Round(k, k, 0, 0.0, 0.06, 0.002 * k, k))
+        kg = good.choose()
+        good.observe(Round(kg, kg, kg, 0.0, 0.06, 0.002 * kg, kg))
+    drafted = [k for k in picks[20:] if k]
+    assert drafted and all(k == 1 for k in drafted)  # one-token probes only
+    extra = sum(poor.t(k + 1) + 0.002 * k - poor.t(1) for k in picks[20:]) / (180 * poor.t(1))
+    assert extra <= 0.025  # the probes cost at most ~2% of plain decoding's time
+    assert good.choose() == 7
