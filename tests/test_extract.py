@@ -270,7 +270,7 @@ def test_torchrun_two_processes_write_the_same_store_as_one(bf16_tiny, prepared,
     store = tmp_path / "two"
     out = subprocess.run(["torchrun", "--standalone", "--nproc-per-node", "2", "--module", "eyas",
                           *extract_argv(prepared, store)], env=env_one_thread(), capture_output=True, text=True,
-                         timeout=300)
+                         timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     assert manifest(store) == manifest(tmp_path / "one")
     by_rank = [json.loads((store / "index" / f"rank-{r:05d}-of-00002.json").read_text()) for r in (0, 1)]

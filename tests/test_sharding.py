@@ -130,3 +130,18 @@ def test_audit_finds_missing_and_duplicated_ids():
     a = audit(gathered, 5)
     assert a.duplicates == 1 and a.duplicate_examples == (2,) and a.missing == 1 and not a.ok
     assert "1 samples on no rank" in a.line()
+
+
+def test_length_grouping_cuts_padding_and_keeps_steps_random():
+    L = lengths_for(512, 6)
+
+    def waste(spec):
+        sh = shard_epoch(L, 0, 0, spec)
+        pad = sum(len(mb) * max(L[u[0]] for u in mb) - sum(L[u[0]] for u in mb) for mb in sh.micro_batches)
+        return pad / sum(L[u[0]] for mb in sh.micro_batches for u in mb), sh
+
+    grouped, sh = waste(ShardSpec(world_size=1, micro_batch=8))
+    plain, _ = waste(ShardSpec(world_size=1, micro_batch=8, group_window=0))
+    assert grouped < 0.1 * plain  # similar lengths share a micro-batch
+    longest = [max(L[u[0]] for u in mb) for mb in sh.micro_batches]
+    assert longest != sorted(longest) and longest != sorted(longest, reverse=True)  # steps stay shuffled

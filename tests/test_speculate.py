@@ -137,6 +137,39 @@ def test_greedy_speculation_equals_greedy_decoding(tiny_target, refs, kind):
         assert sum(taus[:4]) / 4 > 2.0, taus  # on the prompts it was trained on
 
 
+def test_bf16_speculation_reproduces_bf16_greedy_decoding_bit_for_bit():
+    """In bf16 a forward over q tokens must compute each row as a one-token step does (eyas.speculate_target._attend),
+    or near-tied logits flip and speculation drifts from plain decoding. Checked on the logits themselves."""
+    import copy
+
+    from eyas.target import load_target
+
+    target = load_target("tiny", dtype="bfloat16")
+    runner = LeanRunner(target, target.default_feature_layers())
+    draft = copy.deepcopy(trained_draft(load_target("tiny"))).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(4)
+    prefix = torch.randint(0, 40000, (40,), generator=g)
+    parents = torch.tensor([-1, -1, 0, 0, 2, 1, 4, -1, 6])
+    toks = torch.randint(0, 40000, (10,), generator=g)
+    runner.prefill(prefix)
+    tree_logits, _ = runner.forward(toks, 40 + torch.tensor([0] + Proposal(toks[1:], parents).depths()),
+                                    tree_mask(parents))
+    for j in range(10):
+        path, node = [j], j
+        while node:
+            node = int(parents[node - 1]) + 1
+            path.insert(0, node)
+        runner.length = 40
+        for n in path:
+            step, _ = runner.forward(toks[n:n + 1])
+            runner.commit()
+        assert torch.equal(step[0], tree_logits[j]), j
+    for prompt in random_prompts(16)[:3]:
+        ref = plain_generate(runner, prompt, NEW).tokens
+        for drafter in (Eagle3Drafter(draft, k=5), Eagle3Drafter(draft, tree=TreeShape(3, 4, 10))):
+            assert speculative_generate(runner, drafter, prompt, NEW).tokens == ref
+
+
 def test_a_stop_token_inside_an_accepted_draft_ends_generation(tiny_target, refs):
     runner = LeanRunner(tiny_target, tiny_target.default_feature_layers())
     prompt, ref = refs[1]

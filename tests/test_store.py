@@ -12,8 +12,19 @@ from safetensors import safe_open
 
 from eyas import cli
 from eyas.errors import EyasError
-from eyas.store import (COMPACT_ABS_DIV, COMPACT_REL, SHARD_DIR, ShardBuilder, StoreReader, bytes_per_token,
-                        check_coverage, dequantize_rows, quantize_rows, shard_name, write_manifest)
+from eyas.store import (
+    COMPACT_ABS_DIV,
+    COMPACT_REL,
+    SHARD_DIR,
+    ShardBuilder,
+    StoreReader,
+    bytes_per_token,
+    check_coverage,
+    dequantize_rows,
+    quantize_rows,
+    shard_name,
+    write_manifest,
+)
 
 H = 16
 IDENTITY = {"name": "t", "architecture": "LlamaForCausalLM", "config_hash": "abc", "hidden_size": H,

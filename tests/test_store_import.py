@@ -8,6 +8,7 @@ import pytest
 import torch
 from datasets import Dataset
 from safetensors.torch import save_file
+from test_extract import LAYERS, prepared_rows, write_prepared
 
 from eyas.errors import EyasError
 from eyas.extract import ExtractConfig
@@ -15,7 +16,6 @@ from eyas.extract import run as extract
 from eyas.store import StoreReader
 from eyas.store_import import StoreImportConfig, run, target_parts
 from eyas.target import load_target
-from test_extract import LAYERS, prepared_rows, write_prepared
 
 
 @pytest.fixture(autouse=True)

@@ -23,8 +23,9 @@ import queue
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 
@@ -32,8 +33,15 @@ from eyas import dist
 from eyas.config import StageConfig, check, opt
 from eyas.errors import EyasError
 from eyas.log import console, fmt_bytes, fmt_duration, fmt_int, write_json
-from eyas.store import (SHARD_DIR, ShardBuilder, bytes_per_token, check_coverage, shard_index, shard_name,
-                        write_manifest)
+from eyas.store import (
+    SHARD_DIR,
+    ShardBuilder,
+    bytes_per_token,
+    check_coverage,
+    shard_index,
+    shard_name,
+    write_manifest,
+)
 from eyas.target import DEFAULT_TARGET
 
 SETTINGS_FILE = "extract.json"  # what a store was started with; a restart must match it
@@ -202,7 +210,7 @@ class Writer:
             if self.error is None:
                 try:
                     job()
-                except BaseException as e:  # re-raised on the main thread by put/close
+                except BaseException as e:  # noqa: BLE001 - handed to the main thread, re-raised by put/close
                     self.error = e
 
     def put(self, job: Callable[[], None]) -> None:
@@ -267,26 +275,13 @@ def _run(cfg: ExtractConfig, env, con, target) -> dict:
     store = Path(cfg.store)
     bpt = bytes_per_token(target.hidden_size, cfg.compact)
     shards = plan_shards(lengths, bpt, int(cfg.shard_mb * 2**20))
-    header = {"source": "eyas extract", "target": target.identity(), "layer_ids": layer_ids,
-              "hidden_size": target.hidden_size, "dtype": "float8_e4m3fn" if cfg.compact else "bfloat16",
-              "compact": cfg.compact, "forward_dtype": str(target.dtype).removeprefix("torch."),
-              "dataset": {"path": str(Path(cfg.data).resolve()), "split": cfg.split, "fingerprint": fingerprint,
-                          "samples": n}}
+    header = _store_header(cfg, target, layer_ids, fingerprint, n)
     settings = {"header": header, "shard_mb": cfg.shard_mb, "batch_tokens": cfg.batch_tokens,
                 "attention": target.model.config._attn_implementation}
     plan = _agree(env, lambda: _prepare_store(cfg, con, env, target, shards, lengths, settings, bpt))
     if cfg.dry_run:
         return plan
-    mine = shard_indices(len(shards), env.rank, env.world_size)
-    err, stats = None, {"tokens": 0, "samples": 0, "indexes": []}
-    try:
-        stats = _extract_mine(cfg, env, con, target, ds, shards, mine, layer_ids, lengths)
-        write_json(store / "index" / f"rank-{env.rank:05d}-of-{env.world_size:05d}.json", stats["indexes"])
-    except EyasError as e:
-        err = f"rank {env.rank}: {e}"
-    errors = [e for e in dist.all_gather_objects(err, env) if e]  # also the barrier before the merge
-    if errors:
-        raise EyasError(errors[0], fix="fix the cause and rerun the same command; finished shards are kept")
+    stats = _on_every_rank(env, lambda: _extract_mine(cfg, env, con, target, ds, shards, layer_ids, lengths))
     tokens_run, samples_run = dist.all_reduce_sum([stats["tokens"], stats["samples"]], env)
     totals = _agree(env, lambda: _merge(store, header, len(shards), n, env.world_size))
     elapsed = time.perf_counter() - t0
@@ -298,6 +293,33 @@ def _run(cfg: ExtractConfig, env, con, target) -> dict:
                 f"({fmt_bytes(totals['bytes'])}, {fmt_int(totals['bytes_per_token'])} B/token, {totals['shards']} "
                 f"shards; {plan['done_shards']} resumed) in {fmt_duration(elapsed)}")
     return summary
+
+
+def _store_header(cfg: ExtractConfig, target, layer_ids: list[int], fingerprint, n: int) -> dict:
+    """What the manifest says about the store (docs/store.md): no time, no rank count, so reruns agree."""
+    return {"source": "eyas extract", "target": target.identity(), "layer_ids": layer_ids,
+            "hidden_size": target.hidden_size, "dtype": "float8_e4m3fn" if cfg.compact else "bfloat16",
+            "compact": cfg.compact, "forward_dtype": str(target.dtype).removeprefix("torch."),
+            "dataset": {"path": str(Path(cfg.data).resolve()), "split": cfg.split, "fingerprint": fingerprint,
+                        "samples": n}}
+
+
+def _on_every_rank(env, fn: Callable[[], dict]) -> dict:
+    """Run fn on every rank, then tell every rank whether all succeeded (the barrier before the merge), so a
+    failing rank makes the others stop with its message instead of waiting for it until the timeout."""
+    err, result, exc = None, None, None
+    try:
+        result = fn()
+    except EyasError as e:
+        err = (f"rank {env.rank}: {e.what}", e.why, e.fix)
+    except Exception as e:  # noqa: BLE001 - re-raised below on this rank, with its traceback
+        exc, err = e, (f"rank {env.rank} failed: {type(e).__name__}: {e}", "", "see that rank's traceback")
+    errors = [e for e in dist.all_gather_objects(err, env) if e]
+    if exc is not None:
+        raise exc
+    if errors:
+        raise EyasError(*errors[0])
+    return result
 
 
 def _agree(env, fn: Callable[[], dict]) -> dict:
@@ -339,7 +361,8 @@ def _prepare_store(cfg, con, env, target, shards, lengths, settings, bpt) -> dic
         prev = json.loads(old.read_text(encoding="utf-8"))
         diff = sorted(k for k in set(prev) | set(settings) if prev.get(k) != settings.get(k))
         if diff:
-            raise EyasError(f"{store} was started with other settings ({', '.join(diff)} differ)",
+            raise EyasError(f"{store} was started with other settings ({', '.join(diff)} "
+                            f"differ{'s' if len(diff) == 1 else ''})",
                             "resuming would mix hidden states of two different runs in one store",
                             f"rerun with the first run's settings (see {old}) or use a new --store folder")
     elif store.exists() and any(store.iterdir()):
@@ -367,9 +390,10 @@ def _prepare_store(cfg, con, env, target, shards, lengths, settings, bpt) -> dic
     return plan
 
 
-def _extract_mine(cfg, env, con, target, ds, shards, mine, layer_ids, lengths) -> dict:
-    """Write this rank's unfinished shards; the indexes of all its shards."""
+def _extract_mine(cfg, env, con, target, ds, shards, layer_ids, lengths) -> dict:
+    """Write this rank's unfinished shards, then the index of all its shards (STORE/index/rank-R-of-W.json)."""
     store = Path(cfg.store)
+    mine = shard_indices(len(shards), env.rank, env.world_size)
     done = _completed(store, shards, mine)
     for k in mine:  # temp files of a killed run: never visible, safe to drop (only this rank owns shard k)
         for tmp in (store / SHARD_DIR).glob(f".{shard_name(k)}.tmp-*"):
@@ -399,7 +423,8 @@ def _extract_mine(cfg, env, con, target, ds, shards, mine, layer_ids, lengths) -
             writer.put(_commit_job(builder, store / SHARD_DIR, indexes, k, writer))
     writer.close()
     bar.close()
-    return {"tokens": tokens, "samples": total, "indexes": [indexes[k] for k in mine]}
+    write_json(store / "index" / f"rank-{env.rank:05d}-of-{env.world_size:05d}.json", [indexes[k] for k in mine])
+    return {"tokens": tokens, "samples": total}
 
 
 def _add_job(builder, rows, ids, toks, masks, feats):
@@ -446,13 +471,13 @@ def plan_text(p: dict) -> str:
     """The plan block printed before any work starts."""
     return "\n".join([
         "extract plan",
-        f"  target   {p['target']} ({p['num_layers']} layers, hidden {p['hidden']}), features {p['layers']} "
-        f"+ final norm, forward {p['dtype']} on {p['device']}",
+        (f"  target   {p['target']} ({p['num_layers']} layers, hidden {p['hidden']}), features {p['layers']} "
+         f"+ final norm, forward {p['dtype']} on {p['device']}"),
         f"  data     {p['data']} [{p['split']}], fingerprint {str(p['fingerprint'])[:16]}",
-        f"  samples  {fmt_int(p['samples'])} ({fmt_int(p['tokens'])} tokens) in {p['shards']} shards; already "
-        f"stored: {fmt_int(p['done_samples'])} samples in {p['done_shards']} shards",
-        f"  storage  {p['storage']}, {fmt_int(p['bpt'])} B/token (8H reference {fmt_int(8 * p['hidden'])}) -> "
-        f"{fmt_bytes(p['bytes'])}, {fmt_bytes(p['todo_bytes'])} still to write",
+        (f"  samples  {fmt_int(p['samples'])} ({fmt_int(p['tokens'])} tokens) in {p['shards']} shards; already "
+         f"stored: {fmt_int(p['done_samples'])} samples in {p['done_shards']} shards"),
+        (f"  storage  {p['storage']}, {fmt_int(p['bpt'])} B/token (8H reference {fmt_int(8 * p['hidden'])}) -> "
+         f"{fmt_bytes(p['bytes'])}, {fmt_bytes(p['todo_bytes'])} still to write"),
         f"  ranks    {p['world']} (shard k -> rank k mod {p['world']})",
         f"  disk     {fmt_bytes(p['free'])} free at {p['store']}",
     ])

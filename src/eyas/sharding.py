@@ -10,9 +10,12 @@ One epoch, N samples, W ranks, b units per micro-batch per rank, g micro-batches
    of at most max_tokens tokens (first fit among a few open units: length-aware, nearly order-preserving).
 3. remainder: padded (default) with repeats of the first units, marked `padded`, to W*ceil(U/W) units; or
    dropped down to whole global batches. The figures are `eyas.plan.compute_plan`'s (U units as its samples).
-4. steps: consecutive chunks of W*b*g units form the optimizer steps; inside a chunk each rank gets exactly
-   chunk/W units, dealt longest first to the rank with the fewest tokens (balanced work, so no rank waits at
-   the all-reduce), then split into micro-batches of b (similar lengths together: little padding).
+4. steps: chunks of W*b*g units form the optimizer steps. Length grouping: within each window of
+   `group_window` steps the units are sorted by length, cut into steps, and the steps' order is shuffled
+   (seeded), so a micro-batch holds similar lengths (little padding) and the order stays random. Inside a step
+   each rank gets exactly chunk/W units, dealt longest first to the rank with the fewest tokens (balanced work,
+   so no rank waits at the all-reduce), then split into micro-batches of b. Windows and steps are counted in
+   units of W*b*g, so a step's samples are the same for W ranks as for one process with g*W accumulation.
 
 The audit gathers every rank's sample ids (`EpochShard.sample_ids()`, the very lists the loader iterates) and
 checks that the non-padded ids are disjoint across ranks and cover the dataset (minus what was dropped).
@@ -42,6 +45,7 @@ class ShardSpec:
     drop_remainder: bool = False
     max_tokens: int = 0  # > 0: pack samples into units of at most this many tokens
     balance: bool = True  # deal each step's units to ranks by tokens (else strided, in order)
+    group_window: int = 32  # > 1: sort this many steps' units by length, cut them into steps, shuffle the steps
     sharded: bool = True  # False: every rank takes ALL units (the failure the audit exists to catch)
 
     def __post_init__(self):
@@ -124,6 +128,20 @@ def epoch_units(lengths: np.ndarray, epoch: int, spec: ShardSpec) -> list[Unit]:
     return [(int(i),) for i in order]
 
 
+def _steps(n: int, S: int, tokens: np.ndarray, spec: ShardSpec, epoch: int) -> list[list[int]]:
+    """Cut positions 0..n-1 into optimizer steps of S (the last may be shorter), grouped by length."""
+    if spec.group_window <= 1:
+        return [list(range(s, min(s + S, n))) for s in range(0, n, S)]
+    steps: list[list[int]] = []
+    span = S * spec.group_window
+    for w in range(0, n, span):
+        ranked = sorted(range(w, min(w + span, n)), key=lambda p: (-tokens[p], p))
+        pieces = [ranked[s:s + S] for s in range(0, len(ranked), S)]
+        order = np.random.default_rng([spec.seed, epoch, w, 1]).permutation(len(pieces))
+        steps += [pieces[i] for i in order]
+    return steps
+
+
 def _deal(chunk: list[int], tokens: np.ndarray, ranks: int, balance: bool) -> list[list[int]]:
     """Split the positions `chunk` (a multiple of `ranks` long) into `ranks` equal shares."""
     if not balance:
@@ -160,8 +178,7 @@ def shard_epoch(lengths: np.ndarray, epoch: int, rank: int, spec: ShardSpec) -> 
     tokens = np.array([sum(int(lengths[i]) for i in units[p]) for p in positions] or [0])
     steps, padded = [], set()
     my_rank = rank if spec.sharded else 0
-    for start in range(0, len(positions), S):
-        chunk = list(range(start, min(start + S, len(positions))))  # indices into `positions`
+    for chunk in _steps(len(positions), S, tokens, spec, epoch):  # indices into `positions`
         mine = _deal(chunk, tokens, world, spec.balance and world > 1)[my_rank]
         if spec.balance:
             mine.sort(key=lambda p: (-tokens[p], p))  # similar lengths share a micro-batch

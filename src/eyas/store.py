@@ -24,8 +24,8 @@ import mmap
 import os
 import struct
 import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 import torch

@@ -21,15 +21,23 @@ import json
 import pickle
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Literal
 
 import torch
 
 from eyas.config import StageConfig, check, opt
 from eyas.errors import EyasError
 from eyas.log import console, fmt_bytes, fmt_duration, fmt_int
-from eyas.store import SHARD_DIR, ShardBuilder, bytes_per_token, check_coverage, shard_name, write_manifest
+from eyas.store import (
+    SHARD_DIR,
+    ShardBuilder,
+    bytes_per_token,
+    check_coverage,
+    shard_name,
+    write_manifest,
+)
 from eyas.target import DEFAULT_TARGET
 
 
@@ -99,7 +107,7 @@ def read_speculators(path: Path) -> Foreign:
 
     try:
         d = load_file(str(path))
-    except Exception as e:  # safetensors raises its own error types for damaged files
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for damaged files
         raise EyasError(f"{path}: unreadable safetensors file ({e})", fix="regenerate this sample") from None
     ids, hs = d.get("token_ids"), d.get("hidden_states")
     if ids is None or hs is None or hs.dim() != 3 or hs.shape[1] < 4 or len(ids) != hs.shape[0]:
@@ -121,7 +129,7 @@ def read_specforge(path: Path) -> Foreign:
                         f"({str(e).splitlines()[-1][:200]})",
                         "eyas loads .ckpt files with torch.load(weights_only=True) and never unpickles code",
                         "regenerate the file with SpecForge, or remove it") from None
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - torch.load raises many types for a damaged file; all mean "unreadable"
         raise EyasError(f"{path}: unreadable checkpoint ({type(e).__name__}: {e})", fix="regenerate it") from None
     keys = ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")
     if not isinstance(d, dict) or any(not isinstance(d.get(k), torch.Tensor) for k in keys):
@@ -170,7 +178,7 @@ def _load_module(module: torch.nn.Module, model: torch.nn.Module, folder: Path) 
     state = {}
     for fname in files:
         with safe_open(str(folder / fname), "pt") as f:
-            state.update({k[len(prefix):]: f.get_tensor(k) for k in keys if k in f.keys()})
+            state.update({k[len(prefix):]: f.get_tensor(k) for k in keys if k in f.keys()})  # noqa: SIM118 - a safe_open handle, not a dict
     module = module.to_empty(device="cpu")
     module.load_state_dict(state)
     return module
@@ -213,25 +221,48 @@ def run(cfg: StoreImportConfig) -> dict:
     return {"store": str(store), "layout": layout, **totals, "skipped": skipped, "elapsed_s": round(elapsed, 2)}
 
 
-def _reference_rows(cfg, src: Path, layout: str, files: dict[int, Path]) -> tuple[list[dict], str | None]:
-    """One dict per store row: file index, id, expected token ids and loss mask (None: taken from the file)."""
+class Rows:
+    """The store's rows in order, each a dict: file index, id, expected token ids and loss mask (None: take the
+    file's). Read lazily from the (memory-mapped) dataset, so a million samples are never all in memory."""
+
+    def __init__(self, indices: list[int], ds, where: str, names: dict[int, str]):
+        self.indices, self.ds, self.where, self.names = indices, ds, where, names
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __iter__(self):
+        return (self[k] for k in range(len(self)))
+
+    def __getitem__(self, k: int) -> dict:
+        i = self.indices[k]
+        r = self.ds[i] if self.ds is not None else {}
+        return {"index": i, "id": r.get("id", self.names.get(i, str(i))), "input_ids": r.get("input_ids"),
+                "loss_mask": r.get("loss_mask"), "where": f"{self.where} {i}"}
+
+
+def _reference_rows(cfg, src: Path, layout: str, files: dict[int, Path]) -> tuple[Rows, str | None]:
     if cfg.data:
         from eyas.extract import open_prepared
 
         ds, fingerprint = open_prepared(cfg.data, cfg.split)
+        extra = sorted(i for i in files if i >= len(ds))
+        if extra and not cfg.skip_bad:
+            raise EyasError(f"{len(extra)} hidden-state files have no row in {cfg.data} [{cfg.split}] "
+                            f"({len(ds)} rows), e.g. {files[extra[0]]}",
+                            fix="pass the prepared dataset they were made from (or --skip-bad to leave them out)")
         cols = ds.select_columns(["id", "input_ids", "loss_mask"])
-        return [{"index": i, "id": r["id"], "input_ids": r["input_ids"], "loss_mask": r["loss_mask"],
-                 "where": f"{cfg.data} [{cfg.split}] row {i}"} for i, r in enumerate(cols)], fingerprint
+        return Rows(list(range(len(ds))), cols, f"{cfg.data} [{cfg.split}] row", {}), fingerprint
     own = _own_dataset(src) if layout == "speculators" else None
     if layout == "speculators" and own is None:
         raise EyasError(f"{src} has no dataset with loss masks beside hidden_states/",
                         fix="pass --data PREPARED (the prepared dataset the requests were made from)")
-    out = []
-    for i in sorted(files):
-        r = own[i] if own is not None else {}
-        out.append({"index": i, "id": r.get("id", f"{src.name}/{files[i].name.split('.')[0]}"),
-                    "input_ids": r.get("input_ids"), "loss_mask": r.get("loss_mask"), "where": f"{src} sample {i}"})
-    return out, None
+    beyond = [i for i in files if own is not None and i >= len(own)]
+    if beyond:
+        raise EyasError(f"{files[beyond[0]]} is sample {beyond[0]}, but {src} holds {len(own)} rows",
+                        fix="give the dataset folder the requests were made from, or pass --data PREPARED")
+    names = {i: f"{src.name}/{p.name.split('.')[0]}" for i, p in files.items()}
+    return Rows(sorted(files), own, f"{src} sample", names), None
 
 
 def _own_dataset(src: Path):

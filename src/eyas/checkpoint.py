@@ -1,0 +1,216 @@
+"""Training checkpoints that describe themselves and are written atomically; nothing is pickled.
+
+    RUN/checkpoints/step-00000120/
+        config.json            the draft's config (+ "training" so far): Eagle3Draft.save_pretrained
+        model.safetensors      the draft's weights (the eyas draft contract; loadable by Eagle3Draft.from_pretrained)
+        optimizer.safetensors  every optimizer state tensor, keyed "state/<parameter name>/<exp_avg|...>"
+        trainer_state.json     step, data position (epoch, step in epoch), world size, counters, the full
+                               TrainConfig, the scheduler position, the optimizer's param groups and scalars,
+                               and every rank's RNG states (as lists of ints)
+
+A checkpoint is written into `step-N.tmp-<pid>/`, every file fsynced, then renamed to `step-N/` (and the folder
+fsynced): a crash leaves either the whole checkpoint or a `.tmp` folder that the next start removes. Only the
+newest `keep` are kept. The optimizer state goes through `torch.distributed.checkpoint.state_dict`, whose
+full (unsharded) state dicts are keyed by parameter name for plain, DDP and FSDP2 models alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from eyas.errors import EyasError
+from eyas.log import write_json
+
+CKPT_DIR = "checkpoints"
+STATE_FILE, OPTIM_FILE = "trainer_state.json", "optimizer.safetensors"
+FORMAT = 1
+_NAME = re.compile(r"^step-(\d+)$")
+
+
+# -- optimizer state <-> safetensors + JSON ------------------------------------------------------------------------
+def flatten_optimizer_state(osd: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """A full optimizer state dict (keyed by parameter name) -> (tensors, JSON-able scalars and param groups)."""
+    tensors, scalars = {}, {}
+    for name, entries in osd["state"].items():
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state/{name}/{key}"] = value.detach().cpu().contiguous()
+            else:
+                scalars[f"{name}/{key}"] = value
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in osd["param_groups"]]
+    return tensors, {"param_groups": groups, "scalars": scalars}
+
+
+def unflatten_optimizer_state(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
+    state: dict[str, dict] = {}
+    for key, value in tensors.items():
+        _, name, entry = key.split("/", 2)
+        state.setdefault(name, {})[entry] = value
+    for key, value in meta.get("scalars", {}).items():
+        name, entry = key.rsplit("/", 1)
+        state.setdefault(name, {})[entry] = value
+    groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in meta["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+# -- RNG states -----------------------------------------------------------------------------------------------------
+def rng_state() -> dict:
+    """This process's RNG states as JSON-able values."""
+    np_state = np.random.get_state()
+    out = {"torch": torch.get_rng_state().tolist(),
+           "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+           "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]]}
+    if torch.cuda.is_available():
+        out["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return out
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    n = state["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+    p = state["python"]
+    random.setstate((p[0], tuple(p[1]), p[2]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+
+
+# -- folders --------------------------------------------------------------------------------------------------------
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(folder: Path) -> None:
+    for f in folder.iterdir():
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    _fsync_dir(folder)
+
+
+def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints of a run, oldest first."""
+    root = Path(run_dir) / CKPT_DIR
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _NAME.match(p.name)
+        if m and p.is_dir() and (p / STATE_FILE).is_file():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+def remove_partial(run_dir: str | Path) -> list[str]:
+    """Delete `.tmp` folders a crash left behind (rank 0, at start-up); returns their names."""
+    root = Path(run_dir) / CKPT_DIR
+    gone = []
+    if root.is_dir():
+        for p in root.iterdir():
+            if ".tmp" in p.name and p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+                gone.append(p.name)
+    return gone
+
+
+def save_checkpoint(run_dir: str | Path, step: int, draft, optimizer_state: dict, trainer_state: dict,
+                    keep: int) -> Path:
+    """Write one checkpoint atomically (rank 0 only) and prune to the newest `keep`. `draft` is an Eagle3Draft
+    holding the full weights; `optimizer_state` a full optimizer state dict keyed by parameter name."""
+    from safetensors.torch import save_file
+
+    root = Path(run_dir) / CKPT_DIR
+    final = root / f"step-{step:08d}"
+    tmp = root / f"{final.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    draft.save_pretrained(tmp, extra={"training": trainer_state.get("training", {})})
+    tensors, meta = flatten_optimizer_state(optimizer_state)
+    save_file(tensors, str(tmp / OPTIM_FILE), metadata={"format": "eyas-optimizer", "version": str(FORMAT)})
+    write_json(tmp / STATE_FILE, {"format": FORMAT, **trainer_state, "optimizer": meta})
+    _fsync_tree(tmp)
+    if final.exists():  # a rerun reaching the same step: the new one wins, atomically
+        old = root / f"{final.name}.tmp-old-{os.getpid()}"
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(final)
+    _fsync_dir(root)
+    for _, p in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        shutil.rmtree(p, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(folder: str | Path) -> tuple[dict, dict, dict]:
+    """(model state keyed like Eagle3Draft.state_dict(), full optimizer state dict, trainer state)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from eyas.model import WEIGHTS_FILE
+
+    folder = Path(folder)
+    files = [folder / STATE_FILE, folder / OPTIM_FILE, folder / WEIGHTS_FILE]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise EyasError(f"checkpoint {folder} is incomplete: {', '.join(missing)} missing",
+                        fix="delete that folder to resume from the one before, or start a new run in another --out")
+    try:
+        state = json.loads(files[0].read_text())
+        optim = unflatten_optimizer_state(load_file(str(files[1])), state["optimizer"])
+        model = load_file(str(files[2]))
+    except (ValueError, KeyError, OSError, SafetensorError) as e:
+        raise EyasError(f"checkpoint {folder} is unreadable: {e}",
+                        fix="delete that folder to resume from the one before, or start a new run in another --out")
+    if state.get("format") != FORMAT:
+        raise EyasError(f"checkpoint {folder} has format {state.get('format')}, this eyas reads {FORMAT}",
+                        fix="resume with the eyas version that wrote it, or start a new run")
+    return model, optim, state
+
+
+# Settings that may change between a run and its resumption: they do not change what is computed.
+RESUMABLE_CHANGES = {"quiet", "json", "resume", "checkpoint_every", "keep_checkpoints", "tensorboard", "threads",
+                     "prefetch", "device"}
+
+
+def check_resumable(folder: Path, state: dict, config: dict, world_size: int) -> None:
+    """Refuse to resume under a different world size or with settings that change the computation."""
+    if state["world_size"] != world_size:
+        raise EyasError(
+            f"cannot resume {folder}: it was written by a run with {state['world_size']} ranks, this run has "
+            f"{world_size}",
+            "each rank's share of the epoch and the position within it depend on the world size",
+            f"resume with the same number of ranks (torchrun --nproc_per_node ... giving {state['world_size']} in "
+            f"all), or start a new run in another --out folder")
+    old = state.get("config", {})
+    config = json.loads(json.dumps(config, default=str))  # tuples -> lists, as they were stored
+    changed = sorted(k for k in set(old) | set(config)
+                     if k not in RESUMABLE_CHANGES and old.get(k) != config.get(k))
+    if changed:
+        diffs = ", ".join(f"{k}: {old.get(k)!r} -> {config.get(k)!r}" for k in changed[:6])
+        raise EyasError(f"cannot resume {folder}: settings differ from the run that wrote it ({diffs})",
+                        "resuming exactly needs the same data order, batch, schedule and model",
+                        "rerun with the original settings (see trainer_state.json), or start a new run in another "
+                        "--out folder")

@@ -1,0 +1,296 @@
+"""The trainer on the tiny target's stores: sharding proven across real processes and nodes, DDP/FSDP2 equal to
+one process, a real learning signal, the run folder's files, online mode, refusals."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from train_fakes import write_store
+
+from eyas.errors import EyasError
+from eyas.model import Eagle3Draft
+from eyas.store import StoreReader
+from eyas.train import TrainConfig, run
+
+ENTRY = str(Path(__file__).parent / "train_entry.py")
+SMALL = dict(target="tiny", threads=1, draft_vocab=512, ttt_steps=3)
+
+
+@pytest.fixture(scope="module")
+def store(tiny_target, tmp_path_factory):
+    return write_store(tiny_target, tmp_path_factory.mktemp("store") / "s", n=32)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def argv(cfg: dict) -> list[str]:
+    out = []
+    for k, v in cfg.items():
+        flag = "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            out.append(flag if v else "--no-" + flag[2:])
+        else:
+            out += [flag, str(v)]
+    return out
+
+
+def torchrun(cfg: dict, nproc=2, ids_dir=None, extra=(), **popen):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if ids_dir:
+        env["EYAS_TEST_IDS_DIR"] = str(ids_dir)
+    cmd = [sys.executable, "-m", "torch.distributed.run", *extra, "--nproc_per_node", str(nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(popen.pop("port", free_port())), ENTRY, *argv(cfg)]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+def finish(p, timeout=240):
+    out, err = p.communicate(timeout=timeout)
+    return p.returncode, out, err
+
+
+def metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def ids_by_rank(folder) -> dict[int, dict]:
+    return {d["rank"]: d for d in (json.loads(p.read_text()) for p in Path(folder).glob("rank-*.json"))}
+
+
+@pytest.fixture(scope="module")
+def launched(store, tmp_path_factory):
+    """Every multi-process run of this module, started at once (they overlap each other and the in-process
+    runs); each test waits for its own. name -> (run folder, ids folder, [processes])."""
+    root = tmp_path_factory.mktemp("launched")
+    jobs = {}
+    exact = dict(store=store, micro_batch=2, dtype="fp32", lr=1e-2, **SMALL)
+    jobs["ddp"] = [torchrun({**exact, "out": root / "ddp"}, ids_dir=root / "ddp-ids")]
+    jobs["fsdp"] = [torchrun({**exact, "out": root / "fsdp", "parallel": "fsdp"})]
+    port = free_port()  # two nodes of one process each; 32 samples = 2 x 16: 0 padded
+    nodes = dict(store=store, out=root / "nodes", micro_batch=3, **SMALL)
+    jobs["nodes"] = [torchrun(nodes, nproc=1, ids_dir=root / "nodes-ids", port=port,
+                              extra=("--nnodes", "2", "--node_rank", str(n))) for n in (0, 1)]
+    jobs["dup"] = [torchrun(dict(store=store, out=root / "dup", shard_data=False, **SMALL))]
+    yield {name: (root / name, root / f"{name}-ids", procs) for name, procs in jobs.items()}
+    for procs in jobs.values():
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
+@pytest.fixture(scope="module")
+def reference(store, tmp_path_factory):
+    """One process, micro-batch 2 x grad accum 2 (global batch 4), fp32."""
+    out = tmp_path_factory.mktemp("ref") / "run"
+    summary = run(TrainConfig(quiet=True, store=str(store), out=str(out), micro_batch=2, grad_accum=2, dtype="fp32",
+                              lr=1e-2, **SMALL))
+    return out, summary
+
+
+def test_two_process_ddp_equals_one_process_and_shards_disjointly(store, launched, reference):
+    ref, _ = reference
+    run_dir, ids, (proc,) = launched["ddp"]
+    code, _, err = finish(proc)
+    assert code == 0, err[-3000:]
+    assert "data: 32 samples over 2 ranks -> 16 per rank per epoch (0 padded), disjoint: yes" in err
+    assert "plan: 2 ranks x micro-batch 2 (per rank) x grad accum 1 = global batch 4 samples" in err
+    a, b = metrics(ref), metrics(run_dir)
+    assert [m["step"] for m in a] == [m["step"] for m in b] == list(range(1, 9))
+    np.testing.assert_allclose([m["loss_i"] for m in b], [m["loss_i"] for m in a], rtol=1e-5)
+    assert [m["samples_seen_global"] for m in b] == [4 * s for s in range(1, 9)]
+    wa, wb = Eagle3Draft.from_pretrained(ref / "final"), Eagle3Draft.from_pretrained(run_dir / "final")
+    for (k, x), (_, y) in zip(wa.state_dict().items(), wb.state_dict().items()):
+        torch.testing.assert_close(y, x, rtol=1e-3, atol=1e-4, msg=k)  # Adam: lr-scale steps
+    # what each rank's loader really read: disjoint halves of the store
+    ranks = ids_by_rank(ids)
+    assert sorted(ranks) == [0, 1] and all(len(r["ids"]) == 16 for r in ranks.values())
+    assert not set(ranks[0]["ids"]) & set(ranks[1]["ids"])
+    assert set(ranks[0]["ids"]) | set(ranks[1]["ids"]) == set(StoreReader(store).ids)
+
+
+@pytest.mark.slow
+def test_fsdp2_equals_one_process(launched, reference):
+    ref, _ = reference
+    run_dir, _, (proc,) = launched["fsdp"]
+    code, _, err = finish(proc)
+    assert code == 0, err[-3000:]
+    np.testing.assert_allclose([m["loss_i"] for m in metrics(run_dir)],
+                               [m["loss_i"] for m in metrics(ref)], rtol=1e-5)
+
+
+def test_two_nodes_on_one_machine_shard_by_global_rank(store, launched):
+    """torchrun --nnodes 2: both nodes' processes have LOCAL_RANK 0; the data must be split by global rank."""
+    _, ids, procs = launched["nodes"]
+    results = [finish(p) for p in procs]
+    assert all(code == 0 for code, _, _ in results), results[0][2][-2000:] + results[1][2][-2000:]
+    assert "data: 32 samples over 2 ranks -> 16 per rank per epoch (0 padded), disjoint: yes" in results[0][2]
+    ranks = ids_by_rank(ids)
+    assert sorted(ranks) == [0, 1] and ranks[0]["local_rank"] == ranks[1]["local_rank"] == 0
+    assert not set(ranks[0]["ids"]) & set(ranks[1]["ids"])
+    assert len(ranks[0]["ids"]) == len(ranks[1]["ids"]) == 16
+    assert set(ranks[0]["ids"]) | set(ranks[1]["ids"]) == set(StoreReader(store).ids)
+
+
+def test_unsharded_configuration_is_stopped_by_the_audit(launched):
+    run_dir, _, (proc,) = launched["dup"]
+    code, _, err = finish(proc)
+    assert code != 0
+    assert "sharding audit failed for epoch 1" in err
+    assert "data: 32 samples over 2 ranks -> 32 per rank per epoch (0 padded), disjoint: NO: 32 samples on more " \
+           "than one rank" in err
+    assert not (run_dir / "metrics.jsonl").exists() or not metrics(run_dir)
+
+
+def test_training_drives_acc0_up(store, tmp_path):
+    """A real learning signal: top-1 agreement at TTT step 0 from ~1/512 to clearly above it."""
+    run(TrainConfig(quiet=True, store=str(store), out=str(tmp_path / "learn"), epochs=12, micro_batch=4, lr=1e-2,
+                    warmup_ratio=0.0, **{**SMALL, "ttt_steps": 2}))
+    acc0 = [m["acc_i"][0] for m in metrics(tmp_path / "learn")]
+    start, end = np.mean(acc0[:4]), np.mean(acc0[-16:])
+    assert start < 0.02 and end > 0.08 and end > start + 0.06, (start, end)
+
+
+def test_run_folder_files_and_counts(store, reference):
+    out, summary = reference
+    rows = metrics(out)
+    keys = {"step", "epoch", "lr", "loss", "loss_i", "acc_i", "tokens_per_s", "samples_seen_global", "elapsed_s"}
+    assert all(keys <= set(r) and len(r["loss_i"]) == len(r["acc_i"]) == 3 for r in rows)
+    reader = StoreReader(store)
+    plan = json.loads((out / "plan.json").read_text())
+    assert (plan["samples"], plan["global_batch"], plan["optimizer_steps_total"]) == (32, 4, 8)
+    assert plan["tokens"] == int(reader.lengths.sum())
+    audit = json.loads((out / "audit.json").read_text())
+    assert audit["disjoint"] and audit["ok"] and audit["per_rank"] == [32]
+    final = json.loads((out / "final" / "config.json").read_text())
+    t = final["training"]
+    assert (t["steps"], t["epochs"], t["samples"]) == (8, 1, 32)
+    assert t["tokens"] == int(reader.lengths.sum()) and len(t["final_acc_i"]) == 3
+    # the vocabulary covers all loss-masked tokens (fewer than 512 distinct ids), by hand
+    masked = np.concatenate([reader[i].input_ids[reader[i].loss_mask > 0].numpy() for i in range(len(reader))])
+    assert len(np.unique(masked)) < 512 and t["vocab_coverage"] == 1.0
+    draft = Eagle3Draft.from_pretrained(out / "final")
+    assert draft.t2d[torch.from_numpy(masked)].all()
+    assert summary["steps"] == 8 and summary["world_size"] == 1
+
+
+def test_vocab_coverage_when_smaller_than_the_data(store, tmp_path):
+    reader = StoreReader(store)
+    masked = np.concatenate([reader[i].input_ids[reader[i].loss_mask > 0].numpy() for i in range(len(reader))])
+    _, counts = np.unique(masked, return_counts=True)
+    top = np.sort(counts)[::-1][:64].sum() / counts.sum()  # by hand: the 64 most frequent ids' share
+    s = run(TrainConfig(quiet=True, store=str(store), out=str(tmp_path / "v"), max_steps=1, **{**SMALL, "draft_vocab": 64}))
+    assert abs(s["vocab_coverage"] - top) < 1e-12
+
+
+def test_validation_pass_and_max_steps(store, tmp_path):
+    s = run(TrainConfig(quiet=True, store=str(store), out=str(tmp_path / "val"), val_fraction=0.25, epochs=2, micro_batch=3,
+                        **SMALL))
+    lines = [json.loads(x) for x in (tmp_path / "val" / "validation.jsonl").read_text().splitlines()]
+    assert [v["epoch"] for v in lines] == [0, 1] and all(v["samples"] == 8 for v in lines)
+    assert s["steps"] == 2 * 8  # 24 training samples / 3 per step
+    s2 = run(TrainConfig(quiet=True, store=str(store), out=str(tmp_path / "short"), max_steps=3, **SMALL))
+    assert s2["steps"] == 3 and len(metrics(tmp_path / "short")) == 3
+
+
+def test_packing_trains_every_sample_once(store, tmp_path):
+    s = run(TrainConfig(quiet=True, store=str(store), out=str(tmp_path / "pack"), max_tokens=96, **SMALL))
+    audit = json.loads((tmp_path / "pack" / "audit.json").read_text())
+    assert audit["ok"] and audit["units"] < 32 and s["samples"] == 32
+
+
+def test_refuses_a_store_of_another_target(tiny_target, tmp_path):
+    path = write_store(tiny_target, tmp_path / "other", n=4)
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["target"]["config_hash"] = "0123456789abcdef"
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(EyasError, match="extracted from another target"):
+        run(TrainConfig(quiet=True, store=str(path), out=str(tmp_path / "r"), **SMALL))
+
+
+def test_refuses_to_overwrite_a_run(store, reference):
+    out, _ = reference
+    with pytest.raises(EyasError, match="already holds a training run"):
+        run(TrainConfig(quiet=True, store=str(store), out=str(out), micro_batch=2, grad_accum=2, dtype="fp32", lr=1e-2, **SMALL))
+
+
+def test_online_mode_matches_the_store(tiny_target, store, tmp_path):
+    """--online computes the features with the target in the loop: same first-step loss as the store (which holds
+    the same features in bf16)."""
+    import datasets
+
+    reader = StoreReader(store)
+    rows = [reader[i] for i in range(len(reader))]
+    ds = datasets.Dataset.from_dict({"id": [r.id for r in rows],
+                                     "input_ids": [r.input_ids.int().tolist() for r in rows],
+                                     "loss_mask": [r.loss_mask.tolist() for r in rows],
+                                     "num_tokens": [len(r.input_ids) for r in rows]})
+    ds.save_to_disk(str(tmp_path / "prep" / "train"))
+    (tmp_path / "prep" / "summary.json").write_text(json.dumps({"target": tiny_target.identity()}))
+    kw = dict(max_steps=2, micro_batch=2, dtype="fp32", **SMALL)
+    online = run(TrainConfig(quiet=True, online=True, data=str(tmp_path / "prep"), out=str(tmp_path / "on"), **kw))
+    offline = run(TrainConfig(quiet=True, store=str(store), out=str(tmp_path / "off"), **kw))
+    a, b = metrics(tmp_path / "on"), metrics(tmp_path / "off")
+    np.testing.assert_allclose(a[0]["loss_i"], b[0]["loss_i"], rtol=1e-3)
+    assert online["samples"] == offline["samples"] == 4
+
+
+def test_fused_soft_cross_entropy_equals_the_plain_formula():
+    """eyas.ttt.soft_cross_entropy (used by ttt_forward) against -sum p log softmax(z), values and gradients."""
+    import torch.nn.functional as F
+
+    from eyas.ttt import soft_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(37, 16, generator=g, requires_grad=True)  # 37 rows: not a multiple of the chunk
+    W = torch.randn(50, 16, generator=g, requires_grad=True)
+    tl = torch.log_softmax(torch.randn(37, 50, generator=g) * 3, -1)
+    row_w = torch.rand(37, generator=g)
+    loss, hit = soft_cross_entropy(h, W, tl)
+    (loss * row_w).sum().backward()
+    gh, gW = h.grad.clone(), W.grad.clone()
+    h.grad = W.grad = None
+    logq = F.log_softmax(h @ W.T, -1)
+    ref = -(tl.exp() * logq).sum(-1)
+    (ref * row_w).sum().backward()
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(hit, logq.argmax(-1) == tl.argmax(-1))
+    torch.testing.assert_close(gh, h.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gW, W.grad, rtol=1e-5, atol=1e-6)
+    empty, _ = soft_cross_entropy(h[:0], W.detach(), tl[:0])  # no counted rows, frozen head
+    assert empty.shape == (0,)
+
+
+def test_lr_schedule_from_the_real_step_count(reference):
+    """Warmup then cosine to min_lr_ratio, over the run's real optimizer steps (by hand), as logged."""
+    import math
+
+    from eyas.train_engine import lr_at
+
+    assert [lr_at(s, 10, 2, 1.0, 0.1) for s in (0, 1)] == [0.5, 1.0]
+    assert lr_at(2, 10, 2, 1.0, 0.1) == 1.0 and abs(lr_at(10, 10, 2, 1.0, 0.1) - 0.1) < 1e-12
+    assert abs(lr_at(6, 10, 2, 1.0, 0.1) - (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))) < 1e-12
+    out, _ = reference  # 8 steps, warmup int(0.02 * 8) = 0, peak 1e-2, min ratio 0.1
+    logged = [m["lr"] for m in metrics(out)]
+    want = [1e-2 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / 8))) for s in range(8)]
+    np.testing.assert_allclose(logged, want, rtol=1e-12)
+
+
+def test_tensorboard_flag_says_what_is_missing():
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is not None:
+        pytest.skip("tensorboard is installed")
+    with pytest.raises(EyasError, match="needs the tensorboard package"):
+        TrainConfig(tensorboard=True)
