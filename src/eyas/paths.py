@@ -15,10 +15,11 @@ def cache_dir() -> Path:
 
 
 def shared_data_dir() -> Path | None:
-    """The workplace's shared data folder (MT-Bench, GSM8K), if present: $EYAS_SHARED_DATA or ../shared/data."""
+    """The workplace's shared data folder (MT-Bench, GSM8K), if present: $EYAS_SHARED_DATA, else a `shared/data`
+    beside any folder above the installed package or above the working directory."""
     candidates = [os.environ.get("EYAS_SHARED_DATA")]
-    here = Path(__file__).resolve()
-    candidates += [str(p / "shared" / "data") for p in here.parents]
+    for start in (Path(__file__).resolve(), Path.cwd().resolve()):
+        candidates += [str(p / "shared" / "data") for p in start.parents]
     for c in candidates:
         if c and Path(c).is_dir():
             return Path(c)
