@@ -6,7 +6,8 @@
 Prints, and writes to --out (JSON):
 1. t(q) for q = 1, 4, 8, 16, 32 after a 300-token prefix, for eyas's lean runner, the HF-forward runner and
    plain transformers (model(...) with a DynamicCache), interleaved so machine noise hits them alike;
-2. the draft's step time (one token) and catch-up time (a+1 tokens) for an untrained EAGLE-3 draft;
+2. the time of one proposal (a catch-up of 4 positions, then k-1 chain steps) of an untrained EAGLE-3 draft with a
+   32000-entry head, in bf16 and with int8 weight-only linears;
 3. end to end on MT-Bench prompts (via `eyas evaluate`'s run): plain greedy (eyas and transformers' generate),
    the untrained draft with the adaptive controller (the poor-draft case: must stay within 10% of plain), the
    oracle drafter (the engine's upper bound: efficiency and overhead), prompt lookup.
@@ -97,8 +98,11 @@ def main(argv=None):
         for k, t in tables.items():
             print(f"t(q) ms {k:>13}: " + "  ".join(f"{q}:{1000 * v:6.1f} ({v / t[1]:.2f})" for q, v in t.items()))
     if "draft" not in args.skip:
-        res["draft"] = draft_times(target, draft)
-        print("draft propose ms (catch-up of 4 + chain):", {k: round(v, 2) for k, v in res["draft"].items()})
+        from eyas.speculate_drafters import quantize_int8
+
+        for name, d in (("draft", draft), ("draft_int8", quantize_int8(draft))):
+            res[name] = draft_times(target, d)
+            print(f"{name} propose ms (catch-up of 4 + chain):", {k: round(v, 2) for k, v in res[name].items()})
     if "e2e" not in args.skip:
         for name, kw in (("untrained adaptive", dict(adaptive=True, baselines=("oracle", "prompt-lookup"))),
                          ("untrained fixed k", dict(adaptive=False, baselines=("oracle",)))):

@@ -94,8 +94,9 @@ def overhead(args, work: Path, extra: list[str]) -> dict:
                 with autocast(t.env.device, t.dtype):
                     v = t.valid(b)
                     with torch.no_grad():
-                        logp = sparse_target_logp(b.final, t.head_rows, needed_rows(v))
-                    loss_sum, _, count = model(b.input_ids, b.aux, logp, b.loss_mask, b.position_ids, b.doc_ids)
+                        logp, index = sparse_target_logp(b.final, t.head_rows, needed_rows(v))
+                    loss_sum, _, count = model(b.input_ids, b.aux, logp, index, b.loss_mask, b.position_ids,
+                                               b.doc_ids)
                     loss = (loss_sum.float() * t.weights / count.clamp(min=1)).sum()
                 loss.backward()
             opt.step()

@@ -94,7 +94,7 @@ def test_evaluate_end_to_end_on_the_tiny_target(tiny_target, tmp_path, capsys):
     assert printed["configs"] == res["configs"]
     names = [c["name"] for c in res["configs"]]
     assert names == ["eagle3 chain k=3", "eagle3 tree k=2 d=3 n=6", "prompt-lookup k=7", "oracle k=3",
-                     "draft chain k=3"]
+                     f"{tmp_path.name}/draft chain k=3"]
     assert all(c["lossless"]["checked"] and c["lossless"]["identical"] for c in res["configs"])
     oracle = res["configs"][3]
     assert oracle["tau"] > 3.0 and oracle["accept_rate_by_position"] == [1.0, 1.0, 1.0]
@@ -105,6 +105,9 @@ def test_evaluate_end_to_end_on_the_tiny_target(tiny_target, tmp_path, capsys):
     for c in res["configs"]:
         assert c["speedup"] == pytest.approx(c["tokens_per_s"] / b["tokens_per_s"])
     assert set(res["latency_ms"]) >= {"1", "4", "8", "16", "32"}
+    s = res["samples"][0]  # for the run report: text pieces and the tokens accepted per round
+    assert s["method"].startswith("eagle3") and s["prompt"] == "Tell me a story."
+    assert sum(s["accepted"]) + len(s["accepted"]) + 1 >= len(s["pieces"]) > 1
     for name in ("report.md", "acceptance_by_position.png", "tau_per_category.png", "speedup.png"):
         assert (out / name).stat().st_size > 0
     assert "lossless" in (out / "report.md").read_text()

@@ -196,6 +196,8 @@ def test_refuses_to_start_when_the_disk_is_short_and_says_how_much_is_missing(bf
 def test_restart_skips_finished_shards_and_gives_the_same_manifest(bf16_tiny, prepared, tmp_path):
     store = tmp_path / "s"
     first = run(cfg(prepared, store), target=bf16_tiny)
+    tokens = sum(len(r["input_ids"]) for r in prepared_rows(prepared))
+    assert first["extracted_tokens"] == first["tokens"] == tokens and first["extracted_samples"] == 20
     before = manifest(store)
     shards = sorted((store / "shards").glob("*.safetensors"))
     assert len(shards) == first["shards"] > 3

@@ -6,7 +6,8 @@ import torch
 
 from eyas.speculate import (Proposal, acceptance_stats, first_divergence, plain_generate, speculative_generate,
                             tree_mask, verify_greedy, verify_sampling)
-from eyas.speculate_drafters import Controller, Eagle3Drafter, OracleDrafter, PromptLookupDrafter, TreeShape
+from eyas.speculate_drafters import (Controller, Eagle3Drafter, OracleDrafter, PromptLookupDrafter, TreeShape,
+                                     quantize_int8)
 from eyas.speculate_target import HFRunner, LeanRunner, attention_mask
 from speculate_helpers import random_prompts, trained_draft, untrained_draft
 
@@ -164,10 +165,17 @@ def test_bf16_speculation_reproduces_bf16_greedy_decoding_bit_for_bit():
             step, _ = runner.forward(toks[n:n + 1])
             runner.commit()
         assert torch.equal(step[0], tree_logits[j]), j
+    drafters = {"chain": Eagle3Drafter(draft, k=5), "tree": Eagle3Drafter(draft, tree=TreeShape(3, 4, 10)),
+                "int8 chain": Eagle3Drafter(quantize_int8(draft), k=5)}
+    rounds = {name: [] for name in drafters}
     for prompt in random_prompts(16)[:3]:
         ref = plain_generate(runner, prompt, NEW).tokens
-        for drafter in (Eagle3Drafter(draft, k=5), Eagle3Drafter(draft, tree=TreeShape(3, 4, 10))):
-            assert speculative_generate(runner, drafter, prompt, NEW).tokens == ref
+        for name, drafter in drafters.items():
+            g = speculative_generate(runner, drafter, prompt, NEW)
+            assert g.tokens == ref, name
+            rounds[name] += g.rounds
+    for name, rs in rounds.items():  # bf16 and int8 weights keep the trained draft useful
+        assert acceptance_stats([r.accepted for r in rs], [r.depth for r in rs])["tau"] > 2.0, name
 
 
 def test_a_stop_token_inside_an_accepted_draft_ends_generation(tiny_target, refs):

@@ -76,7 +76,7 @@ def launched(store, tmp_path_factory):
     jobs = {}
     exact = dict(store=store, micro_batch=2, dtype="fp32", lr=1e-2, **SMALL)
     jobs["ddp"] = [torchrun({**exact, "out": root / "ddp"}, ids_dir=root / "ddp-ids")]
-    jobs["fsdp"] = [torchrun({**exact, "out": root / "fsdp", "parallel": "fsdp"})]
+    jobs["fsdp"] = [torchrun({**exact, "out": root / "fsdp", "parallel": "fsdp", "json": True})]
     port = free_port()  # two nodes of one process each; 32 samples = 2 x 16: 0 padded
     nodes = dict(store=store, out=root / "nodes", micro_batch=3, **SMALL)
     jobs["nodes"] = [torchrun(nodes, nproc=1, ids_dir=root / "nodes-ids", port=port,
@@ -124,8 +124,10 @@ def test_two_process_ddp_equals_one_process_and_shards_disjointly(store, launche
 def test_fsdp2_equals_one_process(launched, reference):
     ref, _ = reference
     run_dir, _, (proc,) = launched["fsdp"]
-    code, _, err = finish(proc)
+    code, out, err = finish(proc)
     assert code == 0, err[-3000:]
+    (line,) = [x for x in out.splitlines() if x.startswith("{")]  # --json: one summary, from rank 0
+    assert json.loads(line)["world_size"] == 2
     np.testing.assert_allclose([m["loss_i"] for m in metrics(run_dir)],
                                [m["loss_i"] for m in metrics(ref)], rtol=1e-5)
 

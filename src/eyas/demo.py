@@ -74,8 +74,9 @@ def demo_stages(cfg: DemoConfig, run: Path) -> list[Stage]:
         Stage("extract", "extract", dict(target=target, data=f"{r}/prepared", store=f"{r}/store", quiet=cfg.quiet)),
         Stage("train", "train", dict(target=target, store=f"{r}/store", out=f"{r}/train", epochs=2 if quick else 3,
                                      ttt_steps=3, lr=1e-3 if quick else 3e-4, max_tokens=1024,
-                                     draft_vocab=2048 if quick else 8192, checkpoint_every=50, quiet=cfg.quiet),
-              nproc=cfg.nproc),
+                                     draft_vocab=2048 if quick else 8192, checkpoint_every=50, resume=True,
+                                     quiet=cfg.quiet),
+              nproc=cfg.nproc, fresh=(f"{r}/train",)),
         Stage("evaluate", "evaluate", dict(target=target, draft=f"{r}/train/final", bench="mt_bench",
                                            out=f"{r}/evaluate", num_prompts=cfg.eval_prompts or (4 if quick else 10),
                                            max_new_tokens=48 if quick else 128, chain=(3, 5) if quick else (3, 5, 7),
@@ -131,7 +132,8 @@ def stages_from_toml(doc: dict, run: Path, source: str) -> list[Stage]:
             raise EyasError(f"{source}: [{name}] names no eyas command ({command!r})",
                             fix=f"name the table after a command or add command = one of {', '.join(COMMANDS)}")
         settings = {k: _substitute(v, run) for k, v in table.items()}
-        stages.append(Stage(name, command, settings, nproc))
+        fresh = (settings["out"],) if command == "train" and settings.get("resume") and "out" in settings else ()
+        stages.append(Stage(name, command, settings, nproc, fresh))
     if not stages:
         raise EyasError(f"{source} lists no stages", fix="add tables such as [prepare], [extract], [train]")
     return stages

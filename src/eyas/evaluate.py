@@ -23,7 +23,8 @@ from eyas.config import StageConfig, check, opt
 from eyas.errors import EyasError
 from eyas.log import console
 from eyas.speculate import first_divergence, plain_generate, speculative_generate
-from eyas.speculate_drafters import Controller, Eagle3Drafter, OracleDrafter, PromptLookupDrafter, TreeShape
+from eyas.speculate_drafters import (Controller, Eagle3Drafter, OracleDrafter, PromptLookupDrafter, TreeShape,
+                                     quantize_int8)
 from eyas.speculate_target import make_runner, measure_latency
 
 REPORT_QS = (1, 4, 8, 16, 32)
@@ -50,6 +51,8 @@ class EvalConfig(StageConfig):
     dtype: str = opt("bfloat16", "target and draft dtype", choices=("bfloat16", "float32", "float16"))
     device: str = opt("", "cpu, cuda, cuda:N; empty = cuda when available, else cpu")
     threads: int = opt(0, "CPU threads for torch (0 = torch's default)")
+    draft_quant: str = opt("auto", "int8: weight-only int8 draft linears (2x faster draft steps on CPU; proposals may "
+                           "shift slightly, outputs stay exact); auto = int8 on CPU in bf16", choices=("auto", "int8", "none"))
     runner: str = opt("auto", "target forward: lean (Llama family), hf (any model), auto", choices=("auto", "lean", "hf"))
     latency_prefix: int = opt(300, "prefix length for the latency table t(q)")
     seed: int = opt(0, "seed of sampling at temperature > 0")
@@ -190,7 +193,8 @@ def build_methods(cfg: EvalConfig, draft, extra: dict, latency: dict, vocab: int
             methods.append(Method(f"oracle k={k}", OracleDrafter(k, vocab=vocab), None, "chain", k, b))
         elif b not in ("none", ""):
             k = max(cfg.chain or (cfg.tree_depth,))
-            methods.append(Method(f"{Path(b).name} chain k={k}", Eagle3Drafter(extra[b], k=k, name=b), ctl(k),
+            label = "/".join(Path(b).resolve().parts[-2:])  # run/final, not just final
+            methods.append(Method(f"{label} chain k={k}", Eagle3Drafter(extra[b], k=k, name=b), ctl(k),
                                   "chain", k, b))
     return methods
 
@@ -232,6 +236,18 @@ def run(cfg: EvalConfig) -> dict:
     draft = load_draft(cfg.draft, target, device, target.dtype)
     extra = {b: load_draft(b, target, device, target.dtype) for b in cfg.baselines
              if b not in ("prompt-lookup", "oracle", "none", "")}
+    quant = cfg.draft_quant if cfg.draft_quant != "auto" else \
+        "int8" if device.type == "cpu" and target.dtype == torch.bfloat16 else "none"
+    if quant == "int8":
+        if device.type != "cpu" or not hasattr(torch, "_weight_int8pack_mm"):
+            raise EyasError("--draft-quant int8 needs the CPU and torch's int8 weight-only matmul",
+                            f"the run is on {device} with torch {torch.__version__}", "use --draft-quant none")
+        draft, extra = quantize_int8(draft), {k: quantize_int8(v) for k, v in extra.items()}
+    for path, other in extra.items():
+        if other.cfg.feature_layers != draft.cfg.feature_layers:
+            raise EyasError(f"baseline draft {path} reads target layers {list(other.cfg.feature_layers)}",
+                            f"the main draft reads {list(draft.cfg.feature_layers)}; one run captures one set",
+                            "evaluate that draft in its own run, as --draft")
     items = load_bench(cfg.bench, cfg.num_prompts)
     runner = make_runner(target, draft.cfg.feature_layers, cfg.runner)
     qs = sorted(set(REPORT_QS) | set(range(1, max(cfg.chain + (cfg.lookup_k,)) + 2)) | {cfg.tree_size + 1})
@@ -246,6 +262,7 @@ def run(cfg: EvalConfig) -> dict:
     latency2 = measure_latency(runner, qs, prefix=cfg.latency_prefix, seed=1)
     latency = {q: (latency[q] + latency2[q]) / 2 for q in qs}
     results = report.aggregate(cfg, target, draft, runner, items, methods, records, latency)
+    results["draft"]["quant"] = quant
     results["files"] = report.write(results, Path(cfg.out), target.tokenizer)
     for line in report.summary_lines(results):
         con.print(line, force=not cfg.json)
@@ -293,7 +310,8 @@ def _decode_all(con, cfg, runner, target, renderer, methods, items, stop) -> lis
             prompt = renderer.prompt_ids(messages)
             base = _fastest(cfg.repeats, lambda: plain_generate(runner, prompt, cfg.max_new_tokens, cfg.temperature,
                                                                 cfg.seed, stop))
-            key = {"id": item.id, "category": item.category, "turn": turn + 1, "prompt_tokens": len(prompt)}
+            key = {"id": item.id, "category": item.category, "turn": turn + 1, "prompt_tokens": len(prompt),
+                   "user": text}
             records.append({**key, "method": "plain", "tokens": base.tokens, "decode_s": base.decode_s,
                             "prefill_s": base.prefill_s, "rounds": [], "prompt": prompt})
             if cfg.hf_generate:

@@ -69,6 +69,14 @@ def _lossless(recs: list[dict], tokenizer) -> dict:
                                  "target_margin": r.get("margin")}}
 
 
+def _samples(recs: list[dict], tokenizer, limit: int = 3) -> list[dict]:
+    """A few generations with the tokens each round accepted, for the run report: pieces[0] came from the prompt's
+    forward, then round r emitted accepted[r] draft tokens and one of the target's own."""
+    return [{"id": r["id"], "category": r["category"], "turn": r["turn"], "method": r["method"], "prompt": r["user"],
+             "pieces": [tokenizer.decode([t]) for t in r["tokens"]],
+             "accepted": [x["accepted"] for x in r["rounds"]]} for r in recs[:limit]]
+
+
 def aggregate(cfg, target, draft, runner, items, methods, records, latency) -> dict:
     by = lambda name, cat=None: [r for r in records if r["method"] == name and cat in (None, r["category"])]  # noqa
     cats = sorted({i.category for i in items})
@@ -97,6 +105,8 @@ def aggregate(cfg, target, draft, runner, items, methods, records, latency) -> d
                         {"checked": False, "identical": None, "first_divergence": None},
                         "per_category": per_cat})
     best = max(configs, key=lambda c: c["speedup"] or 0.0, default=None)
+    drafted = [c for c in configs if c["drafter"] == "eagle3"] or configs
+    shown = max(drafted, key=lambda c: c["speedup"] or 0.0, default=None)
     settings = {k: v for k, v in cfg.to_dict().items() if k not in ("quiet", "json")}
     import torch
 
@@ -111,6 +121,7 @@ def aggregate(cfg, target, draft, runner, items, methods, records, latency) -> d
             "latency_ms": {str(q): 1000 * latency[q] for q in sorted(latency)}, "latency_prefix": cfg.latency_prefix,
             "baseline": base, "configs": configs,
             "best": {k: best[k] for k in ("name", "speedup", "tau")} if best else None,
+            "samples": _samples(by(shown["name"]), target.tokenizer) if shown else [],
             "records": [{k: r[k] for k in ("id", "category", "turn", "method", "decode_s", "prefill_s")}
                         | {"tokens": len(r["tokens"])} for r in records]}
 
@@ -194,7 +205,7 @@ def _markdown(res: dict) -> str:
     s, t = res["settings"], res["target"]
     lines = [f"# eyas evaluate: {res['bench']['name']}", "",
              f"Target {t['name']} ({t['dtype']}, {t['device']}, {res['threads']} threads, runner {t['runner']}); "
-             f"draft `{res['draft']['path']}`; {res['bench']['prompts']} prompts, {res['bench']['turns']} turns; "
+             f"draft `{res['draft']['path']}` (linears {res['draft'].get('quant', 'none')}); {res['bench']['prompts']} prompts, {res['bench']['turns']} turns; "
              f"temperature {s['temperature']}, at most {s['max_new_tokens']} new tokens; adaptive {s['adaptive']}.", "",
              "```", *summary_lines(res), "```", "",
              "tau: tokens per target verification round, bonus included. Speedup: decode tokens/s over the faster of "

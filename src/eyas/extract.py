@@ -18,6 +18,7 @@ a background thread copies, checksums and writes while the next batch runs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import queue
 import shutil
@@ -44,6 +45,7 @@ from eyas.store import (
 )
 from eyas.target import DEFAULT_TARGET
 
+SUMMARY_FILE = "summary.json"  # what the last run of extract did (rank 0 writes it when all is merged)
 SETTINGS_FILE = "extract.json"  # what a store was started with; a restart must match it
 HEADER_BYTES = 64 * 1024  # allowance per shard for its safetensors header (its own index)
 
@@ -289,6 +291,8 @@ def _run(cfg: ExtractConfig, env, con, target) -> dict:
                "extracted_samples": int(samples_run), "extracted_tokens": int(tokens_run),
                "resumed_shards": plan["done_shards"], "world_size": env.world_size, "elapsed_s": round(elapsed, 2),
                "tokens_per_s": round(tokens_run / max(elapsed, 1e-9), 1)}
+    if env.is_main:
+        write_json(store / SUMMARY_FILE, summary)
     con.summary(f"extract: {fmt_int(totals['samples'])} samples, {fmt_int(totals['tokens'])} tokens -> {store} "
                 f"({fmt_bytes(totals['bytes'])}, {fmt_int(totals['bytes_per_token'])} B/token, {totals['shards']} "
                 f"shards; {plan['done_shards']} resumed) in {fmt_duration(elapsed)}")
@@ -404,7 +408,23 @@ def _extract_mine(cfg, env, con, target, ds, shards, layer_ids, lengths) -> dict
     desc = "extract" + (f" (rank 0 of {env.world_size})" if env.distributed else "")
     # progress in tokens: samples are in length order, so a sample-based ETA would be far too optimistic
     bar = con.progress(total=sum(lengths[r] for k in todo for r in shards[k]), desc=desc, unit="tok", unit_scale=True)
-    writer, indexes, tokens, samples = Writer(), dict(done), 0, 0
+    writer, indexes = Writer(), dict(done)
+    try:
+        tokens = _run_shards(cfg, target, ds, shards, todo, layer_ids, lengths, writer, indexes, bar, where)
+    except BaseException:
+        with contextlib.suppress(BaseException):  # the first error is the one to report
+            writer.close()  # finishes what is queued (a shard is only committed once all of it was queued)
+        raise
+    finally:
+        bar.close()
+    writer.close()
+    write_json(store / "index" / f"rank-{env.rank:05d}-of-{env.world_size:05d}.json", [indexes[k] for k in mine])
+    return {"tokens": tokens, "samples": total}
+
+
+def _run_shards(cfg, target, ds, shards, todo, layer_ids, lengths, writer, indexes, bar, where) -> int:
+    """The forward loop: batches of each unfinished shard through the target, their states to the writer."""
+    store, total, samples, tokens = Path(cfg.store), sum(len(shards[k]) for k in todo), 0, 0
     bpt = bytes_per_token(target.hidden_size, cfg.compact)
     with Capture(target, layer_ids) as cap:
         for k in todo:
@@ -416,15 +436,12 @@ def _extract_mine(cfg, env, con, target, ds, shards, layer_ids, lengths) -> dict
                 feats = forward_batch(target, cap, toks)
                 writer.put(_add_job(builder, brows, ids, toks, masks, feats))
                 n_tok = sum(len(t) for t in toks)
-                tokens, samples = tokens + n_tok, samples + len(toks)
+                samples, tokens = samples + len(toks), tokens + n_tok
                 bar.set_postfix_str(f"{fmt_int(samples)}/{fmt_int(total)} samples, {fmt_bytes(tokens * bpt)} "
                                     f"written ({fmt_bytes(writer.bytes)} in finished shards)", refresh=False)
                 bar.update(n_tok)
             writer.put(_commit_job(builder, store / SHARD_DIR, indexes, k, writer))
-    writer.close()
-    bar.close()
-    write_json(store / "index" / f"rank-{env.rank:05d}-of-{env.world_size:05d}.json", [indexes[k] for k in mine])
-    return {"tokens": tokens, "samples": total}
+    return tokens
 
 
 def _add_job(builder, rows, ids, toks, masks, feats):

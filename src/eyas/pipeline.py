@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -29,35 +30,45 @@ class Stage:
     command: str  # eyas subcommand, e.g. "prepare"
     settings: dict
     nproc: int = 1  # >1: launched under torchrun with this many processes
+    fresh: tuple[str, ...] = ()  # folders the stage resumes into: --force removes them first (inside the run only)
 
 
 def settings_key(stage: Stage) -> str:
-    blob = json.dumps({"command": stage.command, "settings": stage.settings, "nproc": stage.nproc},
+    blob = json.dumps({"command": stage.command, "settings": stage.settings, "nproc": stage.nproc},  # not `fresh`
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _launch_torchrun(stage: Stage, cfg, log_path: Path) -> dict:
-    """Run a stage under torchrun; its rank 0 prints the JSON summary as the last stdout line."""
+def _summary_file(stage: Stage, cfg) -> Path:
+    """Where a torchrun stage's rank 0 writes its summary (the console shows the human lines meanwhile)."""
+    if stage.command == "train":
+        from eyas.train import SUMMARY_FILE
+        return Path(cfg.out) / SUMMARY_FILE
+    from eyas.extract import SUMMARY_FILE
+    return Path(cfg.store) / SUMMARY_FILE
+
+
+def _launch_torchrun(stage: Stage, cfg, log_path: Path, con: Console) -> dict:
+    """Run a stage under torchrun, its output shown (rank 0's plan and audit lines) and kept in the log."""
     module = {"train": "eyas.train", "extract": "eyas.extract"}[stage.command]
     port = 29500 + (os.getpid() % 2000)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(stage.nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", module, *to_argv(cfg), "--json"]
+           "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", module, *to_argv(cfg)]
+    con.print(f"[{stage.name}] torchrun --nproc_per_node {stage.nproc} -m {module} ... (log: {log_path})")
+    summary_path = _summary_file(stage, cfg)
+    summary_path.unlink(missing_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // stage.nproc)))
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        last_json = None
         for line in proc.stdout:
             log.write(line)
-            if line.startswith("{"):
-                last_json = line
-            else:
-                sys.stderr.write(line)
+            log.flush()
+            con.print(line.rstrip("\n"))
         proc.wait()
-    if proc.returncode != 0 or last_json is None:
+    if proc.returncode != 0 or not summary_path.is_file():
         raise EyasError(f"stage {stage.name} failed under torchrun (exit {proc.returncode})",
                         f"see the log {log_path}", "fix the error shown there and rerun: completed stages are kept")
-    return json.loads(last_json)
+    return json.loads(summary_path.read_text(encoding="utf-8"))
 
 
 def run_stage(stage: Stage, run_dir: Path, con: Console, force: bool = False) -> dict:
@@ -71,18 +82,33 @@ def run_stage(stage: Stage, run_dir: Path, con: Console, force: bool = False) ->
             con.print(f"[{stage.name}] cached: finished earlier with the same settings "
                       f"({fmt_duration(done.get('elapsed_s', 0))}), skipped (rerun with --force to redo)")
             return done["summary"]
+    if force:
+        _clear(stage, run_dir, con)
     cls, run = load_stage(stage.command)
     cfg = from_mapping(cls, stage.settings, f"stage {stage.name}")
     con.print(f"[{stage.name}] eyas {stage.command} {' '.join(to_argv(cfg))}")
     t0 = time.perf_counter()
     if stage.nproc > 1:
-        summary = _launch_torchrun(stage, cfg, run_dir / "logs" / f"{stage.name}.log")
+        summary = _launch_torchrun(stage, cfg, run_dir / "logs" / f"{stage.name}.log", con)
     else:
         summary = run(cfg)
     elapsed = time.perf_counter() - t0
     write_json(marker, {"key": key, "command": stage.command, "settings": stage.settings, "nproc": stage.nproc,
                         "summary": summary, "elapsed_s": elapsed})
     return summary
+
+
+def _clear(stage: Stage, run_dir: Path, con: Console) -> None:
+    """--force: remove what a resuming stage would otherwise continue from; never anything outside the run."""
+    root = run_dir.resolve()
+    for folder in stage.fresh:
+        path = Path(folder).resolve()
+        if not path.is_relative_to(root) or path == root:
+            raise EyasError(f"stage {stage.name} would clear {path}, which is not inside the run folder {root}",
+                            fix="give the stage an output folder inside the run")
+        if path.exists():
+            con.print(f"[{stage.name}] --force: removing the earlier output {path}")
+            shutil.rmtree(path)
 
 
 def run_pipeline(stages: list[Stage], run_dir: Path, con: Console, force: bool = False) -> dict[str, dict]:

@@ -178,10 +178,6 @@ class Generation:
     prefill_s: float  # prompt forward + first token
     decode_s: float  # everything after (the timed part of tokens/s: tokens[1:] were made in it)
 
-    @property
-    def decode_tokens(self) -> int:
-        return max(len(self.tokens) - 1, 0)
-
 
 def _finish(tokens: list[int], max_new: int, stop: set[int]) -> list[int]:
     for i, t in enumerate(tokens[:max_new]):

@@ -57,13 +57,43 @@ class TreeShape:
     size: int = 16  # candidates verified (tree nodes, root excluded)
 
 
+class Int8Linear(torch.nn.Module):
+    """Weight-only int8 linear for CPU drafting: w = int8 [N,K] * per-row scale [N], x in bf16. A one-token draft step
+    reads every weight once, so halving the bytes of the head (Vd x H, most of a draft step) halves its time. Only
+    the proposals can change (slightly); verification by the target is untouched, so outputs stay exact."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        w = linear.weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [N]
+        self.register_buffer("w8", (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale.to(torch.bfloat16))
+        self.out_features = linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # [M,K]
+        return torch._weight_int8pack_mm(flat, self.w8, self.scale).reshape(*x.shape[:-1], self.out_features)
+
+
+def quantize_int8(draft):
+    """A copy of the draft whose linear layers (fc, attention, MLP, head) are weight-only int8 (CPU, bf16)."""
+    import copy
+
+    q = copy.deepcopy(draft)
+    for name, module in list(q.named_modules()):
+        for child, sub in list(module.named_children()):
+            if isinstance(sub, torch.nn.Linear):
+                setattr(module, child, Int8Linear(sub))
+    return q
+
+
 class Eagle3Drafter(Drafter):
     """An `eyas.model.Eagle3Draft` fed by the target's features; chain of k, or a dynamic tree when `tree` is set."""
 
     def __init__(self, draft, k: int = 5, tree: TreeShape | None = None, name: str = "eagle3"):
         super().__init__(tree.depth if tree else k)
         self.draft, self.shape, self.name, self.tree = draft, tree, name, tree is not None
-        self.device = next(draft.parameters()).device
+        self.device, self.dtype = draft.d2t.device, draft.embed_tokens.weight.dtype
         self.target_ids = draft.target_ids()  # [Vd] target id of every draft entry
         self.vocab = draft.cfg.vocab_size
         self.start([], None)
@@ -96,7 +126,7 @@ class Eagle3Drafter(Drafter):
         n, p0 = feats.shape[0], self.done
         ids = torch.tensor(seq[p0 + 1: p0 + n + 1], device=self.device)[None]  # [1,n]
         pos = torch.arange(p0, p0 + n, device=self.device)[None]
-        h, logits, self.cache = self._forward(ids, feats[None].to(self.draft.fc.weight.dtype), pos, self.cache,
+        h, logits, self.cache = self._forward(ids, feats[None].to(self.dtype), pos, self.cache,
                                               last_only=True)
         self.done, self.pending = p0 + n, []
         return h[:, -1:], logits[-1]
@@ -243,22 +273,27 @@ class Controller:
     alpha = A / (A + R): A accepted tokens, R rounds ending in a rejection, both decayed by `decay` per drafted
     round, from a prior of one each. A tree has one size: E = the decayed mean of its rounds' a + 1.
     Plain decoding (k = 0: E = 1, cost t(1)) wins when the draft is poor; then a probe round drafts anyway,
-    often enough to notice a change but rarely enough to cost at most `probe_share` of the time.
+    often enough to notice a change but rarely enough to cost at most `probe_share` of the time. The first four
+    rounds draft in full whatever the priors say, so that a tree's yield is measured before it is judged.
     """
 
     def __init__(self, latency: dict[int, float], kmax: int, tree_size: int | None = None,
                  decay: float = 0.9, probe_share: float = 0.02):
         self.lat = sorted(latency.items())
+        self._t: dict[int, float] = {}
         self.kmax, self.tree_size, self.decay, self.probe_share = kmax, tree_size, decay, probe_share
         self.A, self.R = 1.0, 1.0
         self.tree_tokens, self.tree_weight = 2.0, 1.0  # prior: a tree yields two tokens a round
         self.t_step = 0.05 * self.t(1)  # first guess of a draft step, replaced by measurements
         self.idle = 0  # plain rounds since the last drafted one
+        self.observed, self.warm = 0, 4  # drafted rounds seen; the first `warm` rounds draft in full
 
     def t(self, q: int) -> float:
         """Target latency for q tokens, linear between measured points (flat beyond the ends)."""
-        qs, ts = zip(*self.lat)
-        return float(np.interp(q, qs, ts))
+        if q not in self._t:
+            qs, ts = zip(*self.lat)
+            self._t[q] = float(np.interp(q, qs, ts))
+        return self._t[q]
 
     def expected(self, k: int) -> float:
         a = self.A / (self.A + self.R)
@@ -276,6 +311,8 @@ class Controller:
 
     def choose(self) -> int | None:
         opts = self.options()
+        if self.observed < self.warm:  # try the full draft a few times before trusting the estimates
+            return opts[-1][0]
         best = max(opts, key=lambda o: o[1] / o[2])
         if best[0] != 0:
             return best[0]
@@ -288,6 +325,7 @@ class Controller:
         if r.depth == 0:
             return
         self.idle = 0
+        self.observed += 1
         steps = r.depth if not self.tree_size else self.kmax
         self.t_step = 0.7 * self.t_step + 0.3 * r.draft_s / max(steps, 1)
         if self.tree_size:

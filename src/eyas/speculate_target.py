@@ -43,7 +43,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def _attend(q, k, v, mask) -> torch.Tensor:
+def _attend(q, k, v, mask) -> torch.Tensor:  # mask: [1,1,rep*T,S], already repeated per query head (_rep_mask)
     """Attention in which every query row is computed exactly as a one-token decoding step computes it, so that a
     verification over q tokens reproduces plain decoding bit for bit (greedy speculation is then lossless in bf16
     too, not only in exact arithmetic). q [1,nh,T,d], k/v [1,nkv,S,d], mask [1,1,T,S] or None -> [1,nh,T,d].
@@ -60,9 +60,14 @@ def _attend(q, k, v, mask) -> torch.Tensor:
     qg = q.reshape(1, nkv, rep * T, d)  # row r*T + t = head g*rep + r, token t
     scores = torch.matmul(qg, k.transpose(-1, -2)).double() * d ** -0.5  # [1,nkv,rep*T,S]
     if mask is not None:
-        scores = scores.masked_fill(~mask.repeat(1, 1, rep, 1), float("-inf"))
+        scores = scores.masked_fill(mask, float("-inf"))
     out = torch.matmul(torch.softmax(scores, dim=-1), v.double())  # [1,nkv,rep*T,d]
     return out.to(q.dtype).reshape(1, nh, T, d)
+
+
+def _rep_mask(mask: torch.Tensor | None, rep: int) -> torch.Tensor | None:
+    """attention_mask [1,1,T,S] (True = may attend) -> masked keys per query row of _attend [1,1,rep*T,S]."""
+    return None if mask is None else ~mask.repeat(1, 1, rep, 1)
 
 
 class TargetRunner:
@@ -162,7 +167,7 @@ class LeanRunner(TargetRunner):
         x = body.embed_tokens(ids)[None]  # [1,q,H]
         cos, sin = body.rotary_emb(x, positions[None])  # [1,q,hd]
         cos, sin = cos[:, None], sin[:, None]
-        mask = attention_mask(start, tree, q, x.device)
+        mask = _rep_mask(attention_mask(start, tree, q, x.device), self.nh // self.nkv)
         feats = [x] if 0 in self.feature_layers else []
         nq, nk = self.nh * self.hd, self.nkv * self.hd
         for i, layer in enumerate(self.layers):

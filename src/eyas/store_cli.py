@@ -57,8 +57,9 @@ def run_info(cfg: StoreInfoConfig) -> dict:
         (f"target    {t['name']} ({t['architecture']}, {t['num_layers']} layers, hidden {t['hidden_size']}, "
          f"vocab {fmt_int(t['vocab_size'])}, config {t['config_hash']})"),
         f"features  hidden_states {d['layer_ids']} + final norm; stored as {d['dtype']}"
-        + (" with per-row scales (compact)" if d["compact"] else "") + f", forward {d['forward_dtype']}",
-        f"dataset   {ds.get('path')} [{ds.get('split')}], fingerprint {ds.get('fingerprint')}",
+        + (" with per-row scales (compact)" if d["compact"] else "") + f", forward {d['forward_dtype'] or 'unknown'}",
+        (f"dataset   {ds.get('path')} [{ds.get('split')}], fingerprint {ds.get('fingerprint')}" if ds.get("path")
+         else "dataset   none recorded (imported without --data)"),
         (f"samples   {fmt_int(d['samples'])}, tokens {fmt_int(d['tokens'])} "
          f"(length {d['length_min']} / {d['length_median']:.0f} / {d['length_max']} min / median / max)"),
         (f"size      {fmt_bytes(d['bytes'])} in {d['shards']} shards, {d['bytes_per_token']} B/token "

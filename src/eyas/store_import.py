@@ -55,7 +55,7 @@ class StoreImportConfig(StageConfig):
     final_norm: Literal["auto", "apply", "skip"] = opt("auto", "apply the target's final norm to the last layer "
                                                                 "(auto: speculators yes, SpecForge no)")
     compact: bool = opt(False, "store fp8 e4m3 with per-row scales (see docs/store.md)")
-    shard_mb: float = opt(512.0, "target size of a shard file in MiB")
+    shard_mb: float = opt(256.0, "target size of a shard file in MiB")
     skip_bad: bool = opt(False, "skip and count unreadable or mismatching samples instead of stopping")
 
     def __post_init__(self):

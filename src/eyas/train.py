@@ -22,8 +22,10 @@ import torch
 from eyas import dist
 from eyas.config import StageConfig, check, opt
 from eyas.errors import EyasError
-from eyas.log import console, fmt_duration, fmt_int
+from eyas.log import console, fmt_duration, fmt_int, write_json
 from eyas.target import DEFAULT_TARGET
+
+SUMMARY_FILE = "summary.json"  # in --out: what the run did (rank 0 writes it last, after the final draft)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -194,9 +196,9 @@ class Trainer:
             with no_sync(self.model, j == len(batches) - 1):
                 with autocast(env.device, self.dtype):
                     with torch.no_grad():
-                        logp = sparse_target_logp(b.final, self.head_rows, needed_rows(v))  # [B,T,Vd]
-                    loss_sum, correct, count = self.model(b.input_ids, b.aux, logp, b.loss_mask, b.position_ids,
-                                                          b.doc_ids)
+                        logp, index = sparse_target_logp(b.final, self.head_rows, needed_rows(v))  # [M,Vd], [B,T]
+                    loss_sum, correct, count = self.model(b.input_ids, b.aux, logp, index, b.loss_mask,
+                                                          b.position_ids, b.doc_ids)
                     loss = (loss_sum.float() * scale).sum()
                 loss.backward()
             sums += torch.stack([loss_sum.detach().double().cpu(), correct.double().cpu(), count.double().cpu()])
@@ -255,7 +257,6 @@ class Trainer:
             self.report_rate(sum(self.step_times[1:]) / 5)
 
     def report_rate(self, seconds_per_step: float) -> None:
-        from eyas.log import write_json
         from eyas.plan import compute_plan
 
         rate = 1.0 / max(seconds_per_step, 1e-9)
@@ -315,7 +316,6 @@ class Trainer:
     # -- sharding audit, checkpoints, the end ------------------------------------------------------------------------
     def audited_shard(self, epoch: int):
         """This rank's share of the epoch, after checking every rank's actual sample ids (disjoint, covering)."""
-        from eyas.log import write_json
         from eyas.sharding import audit, shard_epoch
 
         shard = shard_epoch(self.train_src.lengths, epoch, self.env.rank, self.spec)
@@ -382,25 +382,28 @@ class Trainer:
     def finish(self) -> dict:
         draft = self.full_draft()
         summary = self.training_summary()
-        if self.env.is_main:
-            draft.save_pretrained(self.out / "final", extra={"training": summary})
-        dist.barrier(self.env)
         wait = self.data_wait_s / max(self.loop_s, 1e-9)
         tps = self.tokens_run / max(self.loop_s, 1e-9)
+        result = {"out": str(self.out), "final": str(self.out / "final"), **summary, "tokens_per_s": tps,
+                  "train_loop_s": self.loop_s, "data_wait_share": wait, "elapsed_s": self.elapsed(),
+                  "audit": self.audits, "duplicate_data": bool(self.tag)}
+        if self.env.is_main:
+            draft.save_pretrained(self.out / "final", extra={"training": summary})
+            write_json(self.out / SUMMARY_FILE, result)
+        dist.barrier(self.env)
         acc = " ".join(f"{a:.3f}" for a in (summary["final_acc_i"] or []))
         self.con.summary(f"{self.tag}train: {fmt_int(self.step)} steps, {fmt_int(self.samples_seen)} samples "
                          f"(global), acc_i {acc}, {tps:,.0f} tokens/s, data wait {100 * wait:.1f}% -> "
                          f"{self.out / 'final'}")
-        return {"out": str(self.out), "final": str(self.out / "final"), **summary, "tokens_per_s": tps,
-                "train_loop_s": self.loop_s, "data_wait_share": wait, "elapsed_s": self.elapsed(), "audit": self.audits,
-                "duplicate_data": bool(self.tag)}
+        return result
 
 
-def run(cfg: TrainConfig) -> dict:
-    """Train; returns the run's summary (on every rank)."""
+def run(cfg: TrainConfig) -> dict | None:
+    """Train; rank 0 returns the run's summary, other ranks None (so `--json` prints one line per run)."""
     env = dist.init(cfg.device)
     try:
-        return Trainer(cfg, env, console(env.rank, cfg.quiet, cfg.json)).fit()
+        summary = Trainer(cfg, env, console(env.rank, cfg.quiet, cfg.json)).fit()
+        return summary if env.is_main else None
     finally:
         dist.shutdown()
 

@@ -236,14 +236,14 @@ def needed_rows(valid: torch.Tensor) -> torch.Tensor:
     return need
 
 
-def sparse_target_logp(final: torch.Tensor, head_rows: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
-    """final [B,T,H], head_rows [Vd,H], need [B,T] -> log p over the draft vocabulary [B,T,Vd] (float32), computed
-    only where needed (zeros elsewhere: never read). The full-vocabulary logits are never formed."""
-    B, T, _ = final.shape
-    out = torch.zeros(B, T, head_rows.shape[0], dtype=torch.float32, device=final.device)
-    rows = final[need].to(head_rows.dtype)  # [N,H]
-    out[need] = torch.log_softmax((rows @ head_rows.T).float(), dim=-1)
-    return out
+def sparse_target_logp(final: torch.Tensor, head_rows: torch.Tensor, need: torch.Tensor):
+    """final [B,T,H], head_rows [Vd,H], need [B,T] -> (log p over the draft vocabulary [M,Vd] float32 for the M
+    needed positions only, index [B,T] of each position's row, -1 elsewhere): ttt_forward's compact targets.
+    The full-vocabulary logits are never formed, nor a [B,T,Vd] tensor."""
+    index = torch.cumsum(need.reshape(-1), 0).reshape(need.shape) - 1
+    index = index.masked_fill(~need, -1)
+    rows = final[need].to(head_rows.dtype)  # [M,H]
+    return torch.log_softmax((rows @ head_rows.T).float(), dim=-1), index
 
 
 # -- online: features from the target in the loop ------------------------------------------------------------------

@@ -24,14 +24,16 @@ from eyas.ttt import ttt_forward
 
 
 class TTTObjective(nn.Module):
-    """forward(batch tensors) = ttt_forward(draft, ...) as a tuple (loss_sum [k], correct [k], count [k])."""
+    """forward(batch tensors) = ttt_forward(draft, ...) as a tuple (loss_sum [k], correct [k], count [k]);
+    target_logp [M,Vd] with target_index [B,T] are the compact targets of eyas.train_data.sparse_target_logp."""
 
     def __init__(self, draft: Eagle3Draft, steps: int):
         super().__init__()
         self.draft, self.steps = draft, steps
 
-    def forward(self, input_ids, aux, target_logp, loss_mask, position_ids, doc_ids):
-        r = ttt_forward(self.draft, input_ids, aux, target_logp, loss_mask, self.steps, position_ids, doc_ids)
+    def forward(self, input_ids, aux, target_logp, target_index, loss_mask, position_ids, doc_ids):
+        r = ttt_forward(self.draft, input_ids, aux, target_logp, loss_mask, self.steps, position_ids, doc_ids,
+                        target_index)
         return r.loss_sum, r.correct, r.count
 
 
@@ -118,8 +120,8 @@ def validation_sums(t) -> list[float]:
                 mask[rows] = 0
                 b = dataclasses.replace(b, loss_mask=mask)
             with autocast(t.env.device, t.dtype):
-                logp = sparse_target_logp(b.final, t.head_rows, needed_rows(t.valid(b)))
-                ls, c, n = t.model(b.input_ids, b.aux, logp, b.loss_mask, b.position_ids, b.doc_ids)
+                logp, index = sparse_target_logp(b.final, t.head_rows, needed_rows(t.valid(b)))
+                ls, c, n = t.model(b.input_ids, b.aux, logp, index, b.loss_mask, b.position_ids, b.doc_ids)
             sums += torch.stack([ls.double().cpu(), c.double().cpu(), n.double().cpu()])
     return dist.all_reduce_sum(sums.flatten().tolist(), t.env)
 

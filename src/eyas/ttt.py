@@ -75,9 +75,11 @@ def chain_attention(q, keys, values, mask0) -> torch.Tensor:
 
 def ttt_forward(model: Eagle3Draft, input_ids: torch.Tensor, aux: torch.Tensor, target_logp: torch.Tensor,
                 loss_mask: torch.Tensor, steps: int, position_ids: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None) -> TTTResult:
+                doc_ids: torch.Tensor | None = None, target_index: torch.Tensor | None = None) -> TTTResult:
     """Unroll the draft for `steps` steps. input_ids/loss_mask [B,T], aux [B,T,3Ht], target_logp [B,T,Vd];
-    position_ids and doc_ids [B,T] for packed sequences (default: one document per row, positions 0..T-1)."""
+    position_ids and doc_ids [B,T] for packed sequences (default: one document per row, positions 0..T-1).
+    Compact targets: target_logp [M,Vd] holds only the positions some step reads and target_index [B,T] gives
+    each position's row there (-1 elsewhere), so the trainer never materialises [B,T,Vd]."""
     B, T = input_ids.shape
     dev = input_ids.device
     if position_ids is None:
@@ -108,8 +110,11 @@ def ttt_forward(model: Eagle3Draft, input_ids: torch.Tensor, aux: torch.Tensor, 
     # One output-head pass over every step's counted positions: one weight cast and one weight gradient instead
     # of one per step, and the [N,Vd] work fused (see SoftCrossEntropy).
     count = torch.stack(count)
-    target = target_logp.reshape(B * T, -1)[torch.cat(target_rows)]  # [N,Vd]
-    loss_row, hit = soft_cross_entropy(model.norm(torch.cat(rows)), model.lm_head.weight, target)  # [N], [N]
+    if target_index is None:
+        table, where = target_logp.reshape(B * T, -1), torch.cat(target_rows)  # [B*T,Vd], [N]
+    else:
+        table, where = target_logp, target_index.reshape(-1)[torch.cat(target_rows)]  # [M,Vd], [N]
+    loss_row, hit = soft_cross_entropy(model.norm(torch.cat(rows)), model.lm_head.weight, table, where)
     step = torch.repeat_interleave(torch.arange(steps, device=dev), count)  # [N] the TTT step of each row
     loss_sum = torch.zeros(steps, dtype=loss_row.dtype, device=dev).index_add(0, step, loss_row)
     correct = torch.zeros(steps, dtype=torch.long, device=dev).index_add(0, step, hit.long())
@@ -118,7 +123,8 @@ def ttt_forward(model: Eagle3Draft, input_ids: torch.Tensor, aux: torch.Tensor, 
 
 class SoftCrossEntropy(torch.autograd.Function):
     """Cross-entropy of the draft against a soft target, fused: rows h [N,H] (after the final norm), head
-    W [Vd,H], target log-probs [N,Vd] -> (loss per row [N] float32, draft top-1 == target top-1 [N] bool).
+    W [Vd,H], target log-probs table[where] ([M,Vd] indexed by [N]) -> (loss per row [N] float32, draft top-1 ==
+    target top-1 [N] bool). The target rows are gathered a chunk at a time, never as a whole [N,Vd] copy.
 
         loss = -sum_v p_v log q_v = lse(z) - p.z     (z = h W^T, sum_v p_v = 1)
         dloss/dz = softmax(z) - p
@@ -129,7 +135,7 @@ class SoftCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, W, target_logp, chunk: int):
+    def forward(ctx, h, W, table, where, chunk: int):
         kind = h.device.type
         dt = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else h.dtype
         hc, Wc = h.to(dt), W.to(dt)
@@ -142,7 +148,7 @@ class SoftCrossEntropy(torch.autograd.Function):
             m, top = zf.max(-1)
             e = zf.sub_(m[:, None]).exp()  # exp(z - m)
             total = e.sum(-1)
-            tl = target_logp[s:s + chunk].float()
+            tl = table[where[s:s + chunk]].float()
             p = tl.exp()
             loss[s:s + chunk] = total.log() - (p * zf).sum(-1)  # lse(z) - p.z; shift-invariant as sum p = 1
             hit[s:s + chunk] = top == tl.max(-1).indices
@@ -154,15 +160,18 @@ class SoftCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_hit):
         hc, Wc, dz = ctx.saved_tensors
-        dz = dz * grad_loss.to(dz.dtype)[:, None]  # [N,Vd]
+        dz = dz.mul_(grad_loss.to(dz.dtype)[:, None])  # [N,Vd], in place: the graph is not run twice
         grad_h = (dz @ Wc).to(ctx.dtypes[0]) if ctx.needs_input_grad[0] else None
         grad_W = (dz.T @ hc).to(ctx.dtypes[1]) if ctx.needs_input_grad[1] else None
-        return grad_h, grad_W, None, None
+        return grad_h, grad_W, None, None, None
 
 
-def soft_cross_entropy(h: torch.Tensor, W: torch.Tensor, target_logp: torch.Tensor):
-    """See SoftCrossEntropy. Row chunks of 16 on CPU (the [16,Vd] float32 work stays in L2), larger on GPUs."""
-    return SoftCrossEntropy.apply(h, W, target_logp, 16 if h.device.type == "cpu" else 4096)
+def soft_cross_entropy(h: torch.Tensor, W: torch.Tensor, table: torch.Tensor, where: torch.Tensor | None = None):
+    """See SoftCrossEntropy; `where` defaults to every row of `table` in order. Row chunks of 16 on CPU (the
+    [16,Vd] float32 work stays in L2), larger on GPUs."""
+    if where is None:
+        where = torch.arange(table.shape[0], device=table.device)
+    return SoftCrossEntropy.apply(h, W, table, where, 16 if h.device.type == "cpu" else 4096)
 
 
 def step_weights(steps: int, decay: float, device=None) -> torch.Tensor:

@@ -1,0 +1,78 @@
+"""`eyas demo --quick` end to end (the tiny target, two training ranks under torchrun), and `eyas run` from TOML.
+
+The report of the real run must have every section, and every number on it must equal its source file.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eyas.demo import RunConfig, stages_from_toml
+from eyas.log import Console
+from eyas.pipeline import Stage, run_stage
+from eyas.errors import EyasError
+from test_report import SECTIONS, Page, check_numbers
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory) -> tuple[Path, str]:
+    runs = tmp_path_factory.mktemp("runs")
+    proc = subprocess.run([sys.executable, "-m", "eyas", "demo", "--quick", "--runs-dir", str(runs)],
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return runs / "demo-quick", proc.stderr
+
+
+def test_quick_demo_runs_every_stage_and_reports_the_figures(quick_run):
+    run_dir, err = quick_run
+    for stage in ("regenerate-gsm8k", "regenerate-chitchat", "prepare", "extract", "train", "evaluate",
+                  "export-eagle3", "export-speculators", "report"):
+        assert (run_dir / "stages" / f"{stage}.json").exists(), stage
+    assert "disjoint: yes" in err  # the sharding audit of the two-rank training is visible
+    assert "plan: optimizer steps (global, all ranks step together)" in err  # and its plan, labelled
+    assert "acceptance length tau" in err and "lossless: yes" in err
+    audit = json.loads((run_dir / "train" / "audit.json").read_text())
+    assert audit["disjoint"] is True and audit["covers"] is True and audit["world_size"] == 2
+    page = Page((run_dir / "report.html").read_text(encoding="utf-8"))
+    assert {k: v["status"] for k, v in page.sections.items()} == {s: "ok" for s in SECTIONS[1:]}  # [0]: the card
+    assert len(page.kpis) >= 3 and page.drafted  # summary card; accepted draft tokens highlighted
+    assert check_numbers(page, run_dir) > 20
+
+
+def test_second_run_skips_cached_stages(quick_run):
+    run_dir, _ = quick_run
+    proc = subprocess.run([sys.executable, "-m", "eyas", "demo", "--quick", "--runs-dir", str(run_dir.parent)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stderr.count("cached:") == 9
+
+
+def test_toml_stages_and_their_errors(tmp_path):
+    doc = {"run": {"name": "x"}, "prepare": {"data": ["{run}/a.jsonl"], "out": "{run}/p"},
+           "second": {"command": "train", "nproc": 2, "store": "{run}/s"}}
+    stages = stages_from_toml(doc, tmp_path / "x", "t.toml")
+    assert [(s.name, s.command, s.nproc) for s in stages] == [("prepare", "prepare", 1), ("second", "train", 2)]
+    assert stages[0].settings["data"] == (f"{tmp_path}/x/a.jsonl",)
+    with pytest.raises(EyasError, match="names no eyas command"):
+        stages_from_toml({"frobnicate": {"a": 1}}, tmp_path, "t.toml")
+    with pytest.raises(EyasError, match="lists no stages"):
+        stages_from_toml({"run": {}}, tmp_path, "t.toml")
+    assert RunConfig(config="x.toml").config == "x.toml"
+
+
+def test_force_clears_a_resuming_stage_only_inside_the_run(tmp_path):
+    run = tmp_path / "run"
+    (run / "train").mkdir(parents=True)
+    (run / "train" / "metrics.jsonl").write_text("{}\n")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    stage = Stage("train", "train", {"out": str(outside)}, fresh=(str(outside),))
+    with pytest.raises(EyasError, match="not inside the run folder"):
+        run_stage(stage, run, Console(quiet=True), force=True)
+    assert outside.is_dir()
+    stage = Stage("plan", "plan", {"samples": 10, "world_size": 2, "quiet": True}, fresh=(str(run / "train"),))
+    run_stage(stage, run, Console(quiet=True), force=True)
+    assert not (run / "train").exists() and (run / "stages" / "plan.json").is_file()
