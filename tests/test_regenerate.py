@@ -183,6 +183,19 @@ def test_server_regenerates_turn_by_turn(servers, tmp_path):
     assert again["skipped"] == 12 and again["done"] == 0 and len(read_out(out)) == 12
 
 
+def test_max_turns_answers_only_the_first_user_turns(servers, tmp_path):
+    srv = servers()
+    data, out = make_data(tmp_path), tmp_path / "out.jsonl"
+    run(cfg(data, out, srv.url, max_turns=1))
+    want = expected_records(data)
+    for r in read_out(out):  # each conversation cut before its second user message, then answered
+        full = want[r["id"]]
+        second = [i for i, m in enumerate(full) if m["role"] == "user"][1:]
+        assert r["messages"] == (full[:second[0]] if second else full)
+        assert sum(m["role"] == "user" for m in r["messages"]) == 1
+    assert not any(b["messages"][-1]["content"].startswith(("again", "second")) for b in srv.answered)
+
+
 def test_faults_are_retried(servers, tmp_path, quick_retries):
     srv = servers(faults=["500", "garbage", "close", "nochoices", "500"])
     data, out = make_data(tmp_path, 6), tmp_path / "out.jsonl"
@@ -304,10 +317,11 @@ def greedy_reference(target, messages, max_new_tokens):
     return tok.decode(new, skip_special_tokens=True)
 
 
-def test_local_backend_matches_greedy_reference(local_tiny, tmp_path):
+@pytest.mark.parametrize("generator,batch", [("hf", 1), ("lean", 3)])
+def test_local_backend_matches_greedy_reference(local_tiny, tmp_path, generator, batch):
     data, out = make_data(tmp_path, 4), tmp_path / "out.jsonl"
-    summary = run(RegenerateConfig(data=(str(data),), out=str(out), target="tiny", max_new_tokens=6, batch_size=1,
-                                   quiet=True))
+    summary = run(RegenerateConfig(data=(str(data),), out=str(out), target="tiny", max_new_tokens=6,
+                                   batch_size=batch, generator=generator, quiet=True))
     got = {r["id"]: r["messages"] for r in read_out(out)}
     compared = 0
     for rid, script in expected_records(data).items():

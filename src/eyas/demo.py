@@ -24,8 +24,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from eyas.cli import COMMANDS
-from eyas.config import StageConfig, check, load_toml, opt
+from eyas.cli import COMMANDS, load_stage
+from eyas.config import StageConfig, check, from_mapping, load_toml, opt
 from eyas.errors import EyasError
 from eyas.log import console
 from eyas.pipeline import Stage, run_pipeline
@@ -59,14 +59,15 @@ def demo_stages(cfg: DemoConfig, run: Path) -> list[Stage]:
     quick = cfg.quick
     target = "tiny" if quick else "smollm2-135m"
     n = cfg.samples or (48 if quick else 320)
-    n_chat = max(2, n // 16)  # a few chitchat dialogues (every turn is regenerated: they are long), the rest GSM8K
-    regen = dict(target=target, dtype="bfloat16", max_new_tokens=48 if quick else 160, batch_size=16, quiet=cfg.quiet)
+    n_chat = max(2, n // 8)  # some chitchat dialogues (their first 3 turns, answered in turn), the rest GSM8K
+    # generation is bound by per-step overhead on a CPU, so a wide batch costs little more per step than a narrow one
+    regen = dict(target=target, dtype="bfloat16", max_new_tokens=48 if quick else 160, batch_size=32, quiet=cfg.quiet)
     r = str(run)
     return [
         Stage("regenerate-gsm8k", "regenerate", dict(regen, data=("gsm8k-train",), max_samples=n - n_chat,
                                                       out=f"{r}/regenerated/gsm8k.jsonl")),
         Stage("regenerate-chitchat", "regenerate", dict(regen, data=("chitchat",), max_samples=n_chat,
-                                                         max_new_tokens=16 if quick else 64,
+                                                         max_new_tokens=16 if quick else 64, max_turns=3,
                                                          out=f"{r}/regenerated/chitchat.jsonl")),
         Stage("prepare", "prepare", dict(target=target, data=(f"{r}/regenerated/gsm8k.jsonl",
                                                               f"{r}/regenerated/chitchat.jsonl"),
@@ -132,6 +133,8 @@ def stages_from_toml(doc: dict, run: Path, source: str) -> list[Stage]:
             raise EyasError(f"{source}: [{name}] names no eyas command ({command!r})",
                             fix=f"name the table after a command or add command = one of {', '.join(COMMANDS)}")
         settings = {k: _substitute(v, run) for k, v in table.items()}
+        # refused now, before the run folder holds a copy of it (an `api_key = ...` is no setting, and not kept)
+        from_mapping(load_stage(command)[0], settings, f"{source} [{name}]")
         fresh = (settings["out"],) if command == "train" and settings.get("resume") and "out" in settings else ()
         stages.append(Stage(name, command, settings, nproc, fresh))
     if not stages:

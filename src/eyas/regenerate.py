@@ -44,7 +44,10 @@ class RegenerateConfig(StageConfig):
     temperature: float = opt(0.0, "0: greedy; above 0: sampled")
     top_p: float = opt(1.0, "nucleus sampling mass when sampling")
     seed: int = opt(0, "sampling seed")
+    max_turns: int = opt(0, "answer only the first N user turns of a conversation, dropping the rest (0: all)")
     batch_size: int = opt(8, "local backend: conversations generated together")
+    generator: str = opt("auto", "local backend: lean (batched decoder for Llama-family targets, fast on CPUs), hf "
+                         "(transformers generate, any model); auto = lean where it applies", choices=("auto", "lean", "hf"))
     device: str = opt("auto", "local backend: auto, cpu, cuda, cuda:1, ...")
     dtype: str = opt("float32", "local backend: float32, bfloat16 or float16")
     server: str = opt("", "OpenAI-compatible server URL (e.g. http://127.0.0.1:8000); empty: generate locally")
@@ -59,6 +62,7 @@ class RegenerateConfig(StageConfig):
     def __post_init__(self):
         check(len(self.data) > 0, "no input data given", "pass --data FILE... (or a shorthand such as mt-bench)")
         check(self.max_samples >= 0, f"--max-samples {self.max_samples} is negative", "use 0 for all")
+        check(self.max_turns >= 0, f"--max-turns {self.max_turns} is negative", "use 0 for all turns")
         check(self.max_new_tokens >= 1, f"--max-new-tokens {self.max_new_tokens} is below 1", "use e.g. 256")
         check(self.temperature >= 0, f"--temperature {self.temperature} is negative", "use 0 for greedy")
         check(0 < self.top_p <= 1, f"--top-p {self.top_p} is not in (0, 1]", "use e.g. 0.95, or 1")
@@ -225,6 +229,21 @@ class LocalBackend:
         limit = getattr(self.target.text_config, "max_position_embeddings", None) or 1 << 30
         self.max_prompt = limit - cfg.max_new_tokens
         torch.manual_seed(cfg.seed)
+        self.rng = torch.Generator(device=self.target.device).manual_seed(cfg.seed)
+        self.lean = self._lean(cfg.generator)
+
+    def _lean(self, choice: str):
+        """The batched lean decoder when it applies (Llama family, stops by token only), else None (generate)."""
+        from eyas.generate import BatchGenerator, supports
+
+        fits = supports(self.target) and not self.renderer.stop_strings
+        if choice == "lean" and not fits:
+            raise EyasError(f"--generator lean does not apply to {self.target.name}",
+                            f"it decodes Llama-family targets that stop on a token (this is "
+                            f"{getattr(self.target.text_config, 'model_type', '?')}"
+                            f"{', with stop strings' if self.renderer.stop_strings else ''})",
+                            "use --generator hf (or auto)")
+        return BatchGenerator(self.target) if fits and choice != "hf" else None
 
     @property
     def name(self) -> str:
@@ -239,6 +258,13 @@ class LocalBackend:
         out: list[Reply | Failed] = [Failed("prompt-too-long", f"{len(x)} tokens + --max-new-tokens "
                                             f"{self.cfg.max_new_tokens} exceed the context") for x in ids]
         if not ok:
+            return out
+        if self.lean is not None:
+            cfg = self.cfg
+            rows = self.lean.generate([ids[i] for i in ok], cfg.max_new_tokens, set(self.stops), cfg.temperature,
+                                      cfg.top_p, self.rng)
+            for row, i in zip(rows, ok):
+                out[i] = self._reply(row)
             return out
         width = max(len(ids[i]) for i in ok)
         batch = torch.tensor([[self.pad] * (width - len(ids[i])) + ids[i] for i in ok])  # [B, T] left-padded
@@ -313,8 +339,16 @@ def pending(cfg: RegenerateConfig, done: set[str], issues: Issues) -> tuple[list
         if conv.id in done:
             skipped += 1
         else:
-            todo.append(conv)
+            todo.append(first_turns(conv, cfg.max_turns) if cfg.max_turns else conv)
     return todo, skipped
+
+
+def first_turns(conv: Conversation, n: int) -> Conversation:
+    """The conversation up to (not including) its (n+1)-th user message: n user turns to answer."""
+    users = [i for i, m in enumerate(conv.messages) if m.role == "user"]
+    if len(users) <= n:
+        return conv
+    return dataclasses.replace(conv, messages=conv.messages[:users[n]])
 
 
 def run(cfg: RegenerateConfig) -> dict:

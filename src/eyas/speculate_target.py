@@ -25,7 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2")
+from eyas.generate import fuse_projections, rotate, supports
 
 
 def attention_mask(prefix: int, tree: torch.Tensor | None, q: int, device) -> torch.Tensor | None:
@@ -35,12 +35,6 @@ def attention_mask(prefix: int, tree: torch.Tensor | None, q: int, device) -> to
         return None
     new = tree if tree is not None else torch.ones(q, q, dtype=torch.bool, device=device).tril()
     return torch.cat((torch.ones(q, prefix, dtype=torch.bool, device=device), new), dim=1)[None, None]
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Llama rotary embedding: x [1,h,q,d], cos/sin [1,1,q,d]."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def _attend(q, k, v, mask) -> torch.Tensor:  # mask: [1,1,rep*T,S], already repeated per query head (_rep_mask)
@@ -132,13 +126,7 @@ class LeanRunner(TargetRunner):
         self.hd = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.nh)
         self.layers = list(target.decoder_layers())
         # fused weights: [q|k|v] and [gate|up], one matmul each instead of three and two (copies; ~60% of the weights)
-        self.wqkv, self.bqkv, self.wgu = [], [], []
-        for layer in self.layers:
-            a, m = layer.self_attn, layer.mlp
-            self.wqkv.append(torch.cat((a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)))
-            b = [p.bias for p in (a.q_proj, a.k_proj, a.v_proj)]
-            self.bqkv.append(torch.cat(b) if b[0] is not None else None)
-            self.wgu.append(torch.cat((m.gate_proj.weight, m.up_proj.weight)))
+        self.wqkv, self.bqkv, self.wgu = fuse_projections(self.layers)
         self.capacity = 0
         self.k = self.v = None
         self._ensure(capacity)
@@ -174,8 +162,8 @@ class LeanRunner(TargetRunner):
             h = layer.input_layernorm(x)
             qkv = F.linear(h, self.wqkv[i], self.bqkv[i])  # [1,q,(nh+2nkv)*hd]
             qs, ks, vs = qkv.split((nq, nk, nk), dim=-1)
-            qs = _rotate(qs.view(1, q, self.nh, self.hd).transpose(1, 2), cos, sin)
-            self.k[i, :, :, start:end] = _rotate(ks.view(1, q, self.nkv, self.hd).transpose(1, 2), cos, sin)
+            qs = rotate(qs.view(1, q, self.nh, self.hd).transpose(1, 2), cos, sin)
+            self.k[i, :, :, start:end] = rotate(ks.view(1, q, self.nkv, self.hd).transpose(1, 2), cos, sin)
             self.v[i, :, :, start:end] = vs.view(1, q, self.nkv, self.hd).transpose(1, 2)
             o = _attend(qs, self.k[i, :, :, :end], self.v[i, :, :, :end], mask)  # [1,nh,q,hd]
             x = x + layer.self_attn.o_proj(o.transpose(1, 2).reshape(1, q, nq))
@@ -251,8 +239,7 @@ class HFRunner(TargetRunner):
 
 def make_runner(target, feature_layers, impl: str = "auto", capacity: int = 2048) -> TargetRunner:
     """The lean runner for Llama-family targets, the HF one otherwise (or when impl='hf')."""
-    model_type = getattr(target.text_config, "model_type", "")
-    if impl == "lean" or (impl == "auto" and model_type in LEAN_MODEL_TYPES):
+    if impl == "lean" or (impl == "auto" and supports(target)):
         return LeanRunner(target, feature_layers, capacity)
     return HFRunner(target, feature_layers)
 
