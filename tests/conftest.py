@@ -29,3 +29,9 @@ def _seed():
     random.seed(0)
     torch.manual_seed(0)
     yield
+
+
+def pytest_addoption(parser):
+    parser.addoption("--faults-full", action="store_true",
+                     help="reliability suite at full strength (tests/faults: 10+ kill points per stage, more fuzz "
+                          "cases); without it a fast subset runs, as in CI")

@@ -16,6 +16,7 @@ full (unsharded) state dicts are keyed by parameter name for plain, DDP and FSDP
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -33,6 +34,60 @@ CKPT_DIR = "checkpoints"
 STATE_FILE, OPTIM_FILE = "trainer_state.json", "optimizer.safetensors"
 FORMAT = 1
 _NAME = re.compile(r"^step-(\d+)$")
+
+
+# -- files that carry their own checksum ---------------------------------------------------------------------------
+# A damaged byte (a bit flip, a partial copy) must be an error naming the file, never different weights: each
+# safetensors file records a digest of its tensors (names, dtypes, shapes, bytes) in its metadata, each JSON file a
+# digest of its content under "checksum". Files without one (written by hand or by an older eyas) are not checked.
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for k in sorted(tensors):
+        t = tensors[k].detach().cpu().contiguous()
+        h.update(f"{k}:{t.dtype}:{list(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
+def json_digest(obj: dict) -> str:
+    text = json.dumps(json.loads(json.dumps(obj, default=str)), sort_keys=True)  # as it reads back
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata={**metadata, "checksum": tensors_digest(tensors)})
+
+
+def load_tensors(path: Path, fix: str) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, checked against its recorded digest; EyasError naming it otherwise."""
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import load_file
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            want = (f.metadata() or {}).get("checksum")
+        tensors = load_file(str(path))
+    except (OSError, SafetensorError) as e:
+        raise EyasError(f"{path} is unreadable: {e}", "it was cut short or damaged after it was written", fix) from None
+    if want is not None and want != tensors_digest(tensors):
+        raise EyasError(f"{path} is damaged: its tensors differ from the checksum recorded when it was written",
+                        "a byte changed after it was written (a bit flip, a bad copy)", fix)
+    return tensors
+
+
+def read_checked_json(path: Path, fix: str) -> dict:
+    """A JSON object, checked against its "checksum" (which is removed); EyasError naming the file otherwise."""
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:
+        raise EyasError(f"{path} is unreadable: {e}", "it was cut short or damaged after it was written", fix) from None
+    want = obj.pop("checksum", None) if isinstance(obj, dict) else None
+    if not isinstance(obj, dict) or (want is not None and want != json_digest(obj)):
+        raise EyasError(f"{path} is damaged: its content differs from the checksum recorded when it was written",
+                        "a byte changed after it was written (a bit flip, a bad copy)", fix)
+    return obj
 
 
 # -- optimizer state <-> safetensors + JSON ------------------------------------------------------------------------
@@ -139,18 +194,24 @@ def save_checkpoint(run_dir: str | Path, step: int, draft, optimizer_state: dict
                     keep: int) -> Path:
     """Write one checkpoint atomically (rank 0 only) and prune to the newest `keep`. `draft` is an Eagle3Draft
     holding the full weights; `optimizer_state` a full optimizer state dict keyed by parameter name."""
-    from safetensors.torch import save_file
-
     root = Path(run_dir) / CKPT_DIR
     final = root / f"step-{step:08d}"
     tmp = root / f"{final.name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    draft.save_pretrained(tmp, extra={"training": trainer_state.get("training", {})})
-    tensors, meta = flatten_optimizer_state(optimizer_state)
-    save_file(tensors, str(tmp / OPTIM_FILE), metadata={"format": "eyas-optimizer", "version": str(FORMAT)})
-    write_json(tmp / STATE_FILE, {"format": FORMAT, **trainer_state, "optimizer": meta})
-    _fsync_tree(tmp)
+    try:
+        draft.save_pretrained(tmp, extra={"training": trainer_state.get("training", {})})
+        tensors, meta = flatten_optimizer_state(optimizer_state)
+        save_tensors(tensors, tmp / OPTIM_FILE, {"format": "eyas-optimizer", "version": str(FORMAT)})
+        body = {"format": FORMAT, **trainer_state, "optimizer": meta}
+        write_json(tmp / STATE_FILE, {**body, "checksum": json_digest(body)})
+        _fsync_tree(tmp)
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # half a checkpoint is of no use, and on a full disk it holds space
+        err = no_space(e, final, latest_checkpoint(run_dir))
+        if err is None:
+            raise
+        raise err from None
     if final.exists():  # a rerun reaching the same step: the new one wins, atomically
         old = root / f"{final.name}.tmp-old-{os.getpid()}"
         final.rename(old)
@@ -164,11 +225,23 @@ def save_checkpoint(run_dir: str | Path, step: int, draft, optimizer_state: dict
     return final
 
 
-def load_checkpoint(folder: str | Path) -> tuple[dict, dict, dict]:
-    """(model state keyed like Eagle3Draft.state_dict(), full optimizer state dict, trainer state)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def no_space(e: Exception, final: Path, last: Path | None) -> EyasError | None:
+    """The error to show when checkpoint `final` could not be written for want of disk space, else None."""
+    from eyas.store import disk_full
 
+    why = disk_full(e)
+    if why is None:
+        return None
+    return EyasError(f"cannot write checkpoint {final}: {why}",
+                     "the run folder's disk is full (or a size limit or quota was hit); the partial checkpoint was "
+                     "removed, " + (f"{last.name} is the last complete one" if last else "no checkpoint is complete yet"),
+                     "free space on that disk (or lower --keep-checkpoints) and rerun the same command with --resume: "
+                     "training continues from the last complete checkpoint")
+
+
+def load_checkpoint(folder: str | Path) -> tuple[dict, dict, dict]:
+    """(model state keyed like Eagle3Draft.state_dict(), full optimizer state dict, trainer state); every file is
+    checked against its checksum."""
     from eyas.model import WEIGHTS_FILE
 
     folder = Path(folder)
@@ -177,13 +250,14 @@ def load_checkpoint(folder: str | Path) -> tuple[dict, dict, dict]:
     if missing:
         raise EyasError(f"checkpoint {folder} is incomplete: {', '.join(missing)} missing",
                         fix="delete that folder to resume from the one before, or start a new run in another --out")
+    fix = "delete that folder to resume from the one before, or start a new run in another --out"
+    state = read_checked_json(files[0], fix)
     try:
-        state = json.loads(files[0].read_text())
-        optim = unflatten_optimizer_state(load_file(str(files[1])), state["optimizer"])
-        model = load_file(str(files[2]))
-    except (ValueError, KeyError, OSError, SafetensorError) as e:
-        raise EyasError(f"checkpoint {folder} is unreadable: {e}",
-                        fix="delete that folder to resume from the one before, or start a new run in another --out")
+        optim = unflatten_optimizer_state(load_tensors(files[1], fix), state["optimizer"])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise EyasError(f"checkpoint {folder} is unreadable: {files[0].name} lacks the optimizer's state ({e})",
+                        fix=fix) from None
+    model = load_tensors(files[2], fix)
     if state.get("format") != FORMAT:
         raise EyasError(f"checkpoint {folder} has format {state.get('format')}, this eyas reads {FORMAT}",
                         fix="resume with the eyas version that wrote it, or start a new run")

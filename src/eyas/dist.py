@@ -14,6 +14,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from eyas.errors import EyasError
+
 
 @dataclasses.dataclass(frozen=True)
 class DistEnv:
@@ -65,6 +67,23 @@ def init(device: str = "auto", timeout_s: float = 600.0) -> DistEnv:
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return dataclasses.replace(env, device=dev, backend=backend)
+
+
+# What a collective says when another rank is gone (gloo: its socket closed or reset; any backend: the timeout)
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "timed out",
+              "NCCL communicator was aborted", "remote process exited")
+
+
+def peer_failure(e: BaseException, env: DistEnv, fix: str) -> EyasError | None:
+    """The error to show when a collective failed because another rank died, hung or became unreachable (gloo
+    notices a dead peer's closed connection at once; a hung one after the collective timeout), else None."""
+    text = str(e)
+    if not env.distributed or not isinstance(e, RuntimeError) or not any(s in text for s in _PEER_LOST):
+        return None
+    detail = text.strip().split("\n")[0].split("] ", 1)[-1].split(". This is typically")[0]  # no source path
+    return EyasError(f"rank {env.rank} of {env.world_size}: lost contact with another rank ({detail})",
+                     "another rank died (killed, out of memory, crashed), stopped answering within the collective "
+                     "timeout, or the network between them failed; no rank can go on without it", fix)
 
 
 def shutdown() -> None:

@@ -232,8 +232,9 @@ def _run_folder_facts(folder: Path) -> list[Fact]:
             continue
         try:
             d = json.loads(p.read_text())
-        except (OSError, ValueError) as e:
-            raise EyasError(f"{p}: unreadable JSON ({e})", fix="delete it or re-run the trainer") from None
+        except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deeply to read
+            raise EyasError(f"{p}: unreadable JSON ({type(e).__name__}: {str(e)[:200]})",
+                            fix="delete it or re-run the trainer") from None
         if not isinstance(d, dict):
             continue
         try:
@@ -245,7 +246,7 @@ def _run_folder_facts(folder: Path) -> list[Fact]:
                           Fact(0, "plan_batching", (int(d["world_size"]), int(d["micro_batch"]), int(d["grad_accum"])),
                                str(p)),
                           Fact(0, "plan_steps", (int(d["optimizer_steps_per_epoch"]), total), str(p))]
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):  # OverflowError: int(1e999)
             raise EyasError(f"{p} lacks the plan fields", fix="it should hold eyas.plan.Plan.to_dict()") from None
     return facts
 

@@ -191,8 +191,12 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     """model.safetensors, or the shards a model.safetensors.index.json lists. Pickles are refused."""
     from safetensors.torch import load_file
 
+    from eyas.paths import inside
+
     index = folder / "model.safetensors.index.json"
-    files = sorted(set(read_json(index)["weight_map"].values())) if index.is_file() else [WEIGHTS_FILE]
+    files = sorted(set(read_json(index)["weight_map"].values()), key=str) if index.is_file() else [WEIGHTS_FILE]
+    for name in files:
+        inside(folder, name, index)
     if not (folder / files[0]).is_file():
         bins = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
         raise EyasError(f"{folder}: no {files[0]}", "eyas reads safetensors only and never unpickles "

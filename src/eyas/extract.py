@@ -39,6 +39,7 @@ from eyas.store import (
     ShardBuilder,
     bytes_per_token,
     check_coverage,
+    disk_full,
     shard_index,
     shard_name,
     write_manifest,
@@ -48,6 +49,8 @@ from eyas.target import DEFAULT_TARGET
 SUMMARY_FILE = "summary.json"  # what the last run of extract did (rank 0 writes it when all is merged)
 SETTINGS_FILE = "extract.json"  # what a store was started with; a restart must match it
 HEADER_BYTES = 64 * 1024  # allowance per shard for its safetensors header (its own index)
+NO_SPACE_FIX = ("free space on that disk (or raise the limit) and rerun the same command: it keeps the finished "
+                "shards and writes only the missing ones")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -254,6 +257,10 @@ def run(cfg: ExtractConfig, *, target=None) -> dict:
     tune_allocator()
     try:
         return _run(cfg, env, con, target)
+    except OSError as e:  # the store's index, manifest or summary (a shard says which it was)
+        if (why := disk_full(e)) is None:
+            raise
+        raise EyasError(f"cannot write to {cfg.store}: {why}", "the store's disk is full", NO_SPACE_FIX) from None
     finally:
         if env.distributed:
             dist.shutdown()
@@ -369,7 +376,7 @@ def _prepare_store(cfg, con, env, target, shards, lengths, settings, bpt) -> dic
                             f"differ{'s' if len(diff) == 1 else ''})",
                             "resuming would mix hidden states of two different runs in one store",
                             f"rerun with the first run's settings (see {old}) or use a new --store folder")
-    elif store.exists() and any(store.iterdir()):
+    elif store.exists() and any(p.name != f"{SETTINGS_FILE}.tmp" for p in store.iterdir()):  # a kill's leftover
         raise EyasError(f"{store} exists and is not an extract in progress", fix="use a new or empty --store folder")
     done = _completed(store, shards, range(len(shards)))
     shard_bytes = [sum(lengths[r] for r in s) * bpt + HEADER_BYTES for s in shards]
@@ -388,9 +395,9 @@ def _prepare_store(cfg, con, env, target, shards, lengths, settings, bpt) -> dic
         raise EyasError(f"not enough disk for {store}: it needs {fmt_bytes(todo_bytes)}, {fmt_bytes(plan['free'])} "
                         f"are free, {fmt_bytes(todo_bytes - plan['free'])} missing",
                         fix="free that much space, choose a --store on a larger disk, or use --compact")
-    if not cfg.dry_run:
-        (store / SHARD_DIR).mkdir(parents=True, exist_ok=True)
+    if not cfg.dry_run:  # the settings first: a kill in between must leave a store that a rerun recognises
         write_json(old, settings)
+        (store / SHARD_DIR).mkdir(parents=True, exist_ok=True)
     return plan
 
 
@@ -453,7 +460,15 @@ def _add_job(builder, rows, ids, toks, masks, feats):
 
 def _commit_job(builder, folder: Path, indexes: dict, k: int, writer: Writer):
     def job():
-        indexes[k] = builder.commit(folder)
+        try:
+            indexes[k] = builder.commit(folder)
+        except OSError as e:
+            if (why := disk_full(e)) is None:
+                raise
+            raise EyasError(f"cannot write shard {folder / shard_name(k)}: {why}",
+                            f"the store's disk is full (or a size limit or quota was hit); the partial shard was "
+                            f"removed, the {len(indexes)} shards finished so far are complete and kept",
+                            NO_SPACE_FIX) from None
         writer.bytes += indexes[k]["bytes"]
     return job
 

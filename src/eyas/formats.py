@@ -37,6 +37,7 @@ ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant"
                 "bard": "assistant", "bing": "assistant", "model": "assistant", "system": "system"}
 ID_KEYS = ("id", "question_id", "conversation_id", "conv_id", "uuid")
 REPLY_KEYS = ("response", "completion", "output")
+TOO_DEEP = "JSON nested deeper than Python can read (a RecursionError)"
 # shorthand -> file under the shared data folder ("chitchat" lives in its PyPI package instead)
 SHORTHANDS = {"mt-bench": "mt_bench/question.jsonl", "gsm8k-train": "gsm8k/train.jsonl",
               "gsm8k-test": "gsm8k/test.jsonl", "chitchat": ""}
@@ -159,6 +160,9 @@ def iter_records(path: Path, issues: Issues) -> Iterator[tuple[str, str | None, 
     except json.JSONDecodeError:  # several objects: a JSONL file named .json
         yield from _jsonl(path, issues)
         return
+    except RecursionError:
+        issues.add("too-deep", f"{path}:1", TOO_DEEP)
+        return
     if _detect(obj) is None and obj and all(isinstance(v, dict) for v in obj.values()):
         for key, rec in obj.items():  # id -> record (chitchat-dataset)
             yield f"{path}[{key}]", str(key), rec
@@ -178,9 +182,14 @@ def _jsonl(path: Path, issues: Issues) -> Iterator[tuple[str, None, object]]:
             if not line.strip():
                 continue
             try:
-                yield where, None, json.loads(line)
+                rec = json.loads(line)
             except json.JSONDecodeError as e:
                 issues.add("malformed-json", where, e.msg)
+                continue
+            except RecursionError:
+                issues.add("too-deep", where, TOO_DEEP)
+                continue
+            yield where, None, rec
 
 
 def _json_array(path: Path, text: str, issues: Issues) -> Iterator[tuple[str, None, object]]:
@@ -195,6 +204,9 @@ def _json_array(path: Path, text: str, issues: Issues) -> Iterator[tuple[str, No
             obj, i = dec.raw_decode(text, i)
         except json.JSONDecodeError as e:
             issues.add("malformed-json", f"{path}:{line}", f"{e.msg}; the rest of the file is skipped")
+            return
+        except RecursionError:
+            issues.add("too-deep", f"{path}:{line}", f"{TOO_DEEP}; the rest of the file is skipped")
             return
         yield f"{path}:{line}", None, obj
         i = _skip_ws(text, i)
@@ -221,9 +233,14 @@ def read_conversations(specs: Iterable[str], issues: Issues) -> Iterator[Convers
     for path in files:
         for where, key, rec in iter_records(path, issues):
             try:
-                yield parse_record(rec, path=path, where=where, key=key)
+                conv = parse_record(rec, path=path, where=where, key=key)
             except FormatError as e:
                 issues.add(e.reason, where, e.detail)
+                continue
+            except RecursionError:  # a value nested nearly as deep as json reads, turned into text
+                issues.add("too-deep", where, TOO_DEEP)
+                continue
+            yield conv
 
 
 def parse_record(rec: object, *, path: Path, where: str, key: str | None = None) -> Conversation:
@@ -241,8 +258,8 @@ def parse_record(rec: object, *, path: Path, where: str, key: str | None = None)
     if not any(m.role == "user" for m in messages):
         raise FormatError("no-user-message")
     line = where.rsplit(":", 1)[-1] if key is None else key
-    rid = key if key is not None else _own_id(rec) or f"{path.stem}:{line}"
-    source = rec.get("source") if isinstance(rec.get("source"), str) else f"{fmt}:{path.name}"
+    rid = _text(key if key is not None else _own_id(rec) or f"{path.stem}:{line}", "the id")  # written as UTF-8
+    source = _text(rec["source"], "source") if isinstance(rec.get("source"), str) else f"{fmt}:{path.name}"
     return Conversation(id=rid, messages=messages, source=source, where=where)
 
 

@@ -14,7 +14,6 @@ Llama layers named `layers.{i}`.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
@@ -275,24 +274,24 @@ class Eagle3Draft(nn.Module):
         return [p for p in self.parameters() if p.requires_grad]
 
     def save_pretrained(self, folder: str | Path, extra: dict | None = None) -> Path:
-        """config.json (DraftConfig + `extra`, e.g. training figures) and model.safetensors, atomically."""
-        from safetensors.torch import save_file
-
+        """config.json (DraftConfig + `extra`, e.g. training figures) and model.safetensors, atomically; each
+        records its own checksum (eyas.checkpoint), so a damaged file is never loaded as weights."""
+        from eyas.checkpoint import json_digest, save_tensors
         from eyas.log import write_json
 
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         tmp = folder / (WEIGHTS_FILE + ".tmp")
-        save_file(tensors, str(tmp), metadata={"format": "pt", "producer": "eyas"})
+        save_tensors(tensors, tmp, {"format": "pt", "producer": "eyas"})
         tmp.replace(folder / WEIGHTS_FILE)
-        write_json(folder / CONFIG_FILE, {"eyas_draft": self.cfg.to_dict(), **(extra or {})})
+        body = {"eyas_draft": self.cfg.to_dict(), **(extra or {})}
+        write_json(folder / CONFIG_FILE, {**body, "checksum": json_digest(body)})
         return folder
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, device: str = "cpu", dtype: torch.dtype | None = None):
-        from safetensors.torch import load_file
-
+        from eyas.checkpoint import load_tensors, read_checked_json
         from eyas.errors import EyasError
 
         folder = Path(folder)
@@ -300,13 +299,20 @@ class Eagle3Draft(nn.Module):
         if not cfg_path.is_file() or not w_path.is_file():
             raise EyasError(f"{folder} is not an eyas draft checkpoint", f"it lacks {CONFIG_FILE} or {WEIGHTS_FILE}",
                             "point at a training output's final/ folder, or import a foreign draft with `eyas import`")
-        meta = json.loads(cfg_path.read_text())
+        fix = "use another checkpoint of the run, or train (or import) the draft again"
+        meta = read_checked_json(cfg_path, fix)
         if "eyas_draft" not in meta:
             raise EyasError(f"{cfg_path} has no eyas_draft section", "it is not an eyas checkpoint",
                             "convert an eagle3/speculators draft with `eyas import DIR`")
-        model = cls(DraftConfig.from_dict(meta["eyas_draft"]))
-        state = load_file(str(w_path))
-        missing, unexpected = model.load_state_dict(state, strict=False)
+        try:
+            model = cls(DraftConfig.from_dict(meta["eyas_draft"]))
+        except (TypeError, ValueError, AttributeError, RuntimeError) as e:
+            raise EyasError(f"{cfg_path}: its eyas_draft section is not a draft config ({e})", fix=fix) from None
+        state = load_tensors(w_path, fix)
+        try:
+            missing, unexpected = model.load_state_dict(state, strict=False)
+        except RuntimeError as e:  # a weight of another shape
+            raise EyasError(f"{w_path}: weights do not match {cfg_path.name} ({str(e)[:300]})", fix=fix) from None
         if missing or unexpected:
             raise EyasError(f"{w_path}: weights do not match the config",
                             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}",

@@ -3,6 +3,8 @@
 import os
 from pathlib import Path
 
+from eyas.errors import EyasError
+
 
 def cache_dir() -> Path:
     """The cache root: $EYAS_CACHE, else $XDG_CACHE_HOME/eyas, else ~/.cache/eyas. Never inside the repo."""
@@ -24,3 +26,13 @@ def shared_data_dir() -> Path | None:
         if c and Path(c).is_dir():
             return Path(c)
     return None
+
+
+def inside(folder: Path, name: object, listed_in: Path) -> Path:
+    """folder/name for a file name read from `listed_in` (an index or manifest); never a path out of `folder`."""
+    p = Path(name) if isinstance(name, str) else None
+    if p is None or not name or p.is_absolute() or ".." in p.parts or "\\" in name:
+        raise EyasError(f"{listed_in} names the file {name!r}, which is not a file in {folder}",
+                        "files listed there are read from that folder only; a path could read any file",
+                        f"repair {listed_in.name} (file names relative to {folder}), or download the model again")
+    return folder / p

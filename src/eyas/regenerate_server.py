@@ -1,16 +1,19 @@
 """The `--server` backend of `eyas regenerate`: any OpenAI-compatible `/v1/chat/completions`.
 
 Each conversation runs on a worker thread, turn by turn; at most `--concurrency` are in flight and the main
-thread alone writes results. A request that is refused, times out (`--timeout`), answers 408/429/5xx or sends a
-body that is not a chat completion is retried after 0.5 s, 1 s, 2 s, ... (with jitter) up to `--retries` times and
-within `--retry-time` seconds; then its conversation is reported failed and the others go on. After
-`GIVE_UP_AFTER` conversations fail in a row the server is taken to be down and the run stops early, keeping
-everything already written. The API key comes from `--api-key-file` or $EYAS_API_KEY and is only ever put in the
-Authorization header.
+thread alone writes results. A request that is refused, times out, answers 408/429/5xx, is cut short, is not HTTP,
+or sends a body that is not a chat completion (bad JSON, too deep, wrong types) is retried after 0.5 s, 1 s, 2 s,
+... (with jitter) up to `--retries` times and within `--retry-time` seconds; then its conversation is reported
+failed and the others go on. `--timeout` bounds each wait for the server and also the whole answer's body, so a
+server trickling bytes cannot hold a request open for longer. After `GIVE_UP_AFTER` conversations fail in a row the
+server is taken to be down and the run stops early, keeping everything already written. The API key comes from
+`--api-key-file` or $EYAS_API_KEY and is only ever put in the Authorization header; a server's own words that are
+reported (error bodies) have it blanked out, since some servers quote it back.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import random
@@ -27,6 +30,7 @@ BACKOFF_S = 0.5  # first retry delay; doubles each retry
 BACKOFF_MAX_S = 30.0
 GIVE_UP_AFTER = 16  # conversations failing in a row: the server is down
 RETRY_HTTP = {408, 409, 425, 429, 500, 502, 503, 504}
+MAX_ANSWER = 64 << 20  # bytes: a chat completion is far smaller; more is a misbehaving server
 
 
 class _Retryable(Exception):
@@ -71,9 +75,9 @@ class ServerBackend:
         req = urllib.request.Request(url, data=data, headers=headers, method="POST" if data else "GET")
         try:
             with urllib.request.urlopen(req, timeout=self.cfg.timeout) as resp:
-                raw = resp.read()
+                raw = self._body(resp)
         except urllib.error.HTTPError as e:
-            text = e.read()[:200].decode("utf-8", "replace")
+            text = self._redact(_error_text(e))[:200]
             if e.code in RETRY_HTTP:
                 raise _Retryable(f"http-{e.code}", text) from None
             raise Failed(f"http-{e.code}", text) from None
@@ -81,13 +85,35 @@ class ServerBackend:
             raise _Retryable("timeout", f"no answer within --timeout {self.cfg.timeout:g} s") from None
         except (urllib.error.URLError, ConnectionError, OSError) as e:
             raise _Retryable("connection-error", str(getattr(e, "reason", e))) from None
+        except http.client.IncompleteRead as e:
+            raise _Retryable("connection-error", f"the answer was cut short ({len(e.partial)} bytes)") from None
+        except http.client.HTTPException as e:  # BadStatusLine, LineTooLong, ...: not an HTTP answer
+            raise _Retryable("malformed-response", f"not an HTTP answer ({type(e).__name__}: {str(e)[:80]})") from None
         try:
             obj = json.loads(raw)
-        except ValueError:
-            raise _Retryable("malformed-response", raw[:120].decode("utf-8", "replace")) from None
+        except (ValueError, RecursionError):  # RecursionError: JSON nested deeper than Python's stack
+            raise _Retryable("malformed-response", self._redact(raw[:4096].decode("utf-8", "replace"))[:120]) from None
         if not isinstance(obj, dict):
             raise _Retryable("malformed-response", "the answer is not a JSON object")
         return obj
+
+    def _redact(self, text: str) -> str:
+        """A server's own words (reported, so written to logs) without the key, which some servers quote back."""
+        return text.replace(self._key, "[the API key]") if self._key else text
+
+    def _body(self, resp) -> bytes:
+        """The whole body, within --timeout in all and at most MAX_ANSWER bytes."""
+        deadline, chunks, size = time.monotonic() + self.cfg.timeout, [], 0
+        while chunk := resp.read1(1 << 16):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > MAX_ANSWER:
+                raise _Retryable("malformed-response", f"an answer of more than {MAX_ANSWER >> 20} MiB")
+            if time.monotonic() > deadline:
+                raise _Retryable("timeout", f"the answer took longer than --timeout {self.cfg.timeout:g} s")
+        if resp.length:  # bytes its Content-Length promised that never came
+            raise _Retryable("connection-error", f"the answer was cut short ({size} bytes, {resp.length} missing)")
+        return b"".join(chunks)
 
     def _with_retries(self, url: str, body: dict | None, parse):
         """parse(answer) of the first good answer; _Retryable errors (also from parse) are retried."""
@@ -138,7 +164,17 @@ def _completion(obj: dict) -> Reply:
     if not isinstance(text, str):
         raise _Retryable("malformed-response", "choices[0].message.content is not a string")
     usage = obj.get("usage") if isinstance(obj.get("usage"), dict) else {}
-    return Reply(text, int(usage.get("completion_tokens") or 0), cut=choice.get("finish_reason") == "length")
+    tokens = usage.get("completion_tokens")
+    tokens = tokens if type(tokens) is int and tokens >= 0 else 0  # a count is optional: a bad one is no count
+    return Reply(text, tokens, cut=choice.get("finish_reason") == "length")
+
+
+def _error_text(e: urllib.error.HTTPError) -> str:
+    """The start of an error answer's body (which may itself be cut short or never come)."""
+    try:
+        return e.read(4096).decode("utf-8", "replace")
+    except (OSError, http.client.HTTPException):
+        return ""
 
 
 def converse(backend: ServerBackend, d: Dialogue) -> Dialogue:

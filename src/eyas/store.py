@@ -18,10 +18,12 @@ A checksum is blake2b-128 over the sample's bytes of every tensor, in `TENSORS` 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import mmap
 import os
+import re
 import struct
 import warnings
 from collections.abc import Callable, Sequence
@@ -44,6 +46,8 @@ COMPACT_REL, COMPACT_ABS_DIV = 1 / 16, 224 * 1024
 _ST_DTYPES = {torch.int32: "I32", torch.int8: "I8", torch.bfloat16: "BF16", torch.float8_e4m3fn: "F8_E4M3",
               torch.int64: "I64", torch.float32: "F32", torch.float16: "F16"}
 _TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
+# A shard is named by a plain file name in STORE/shards: a manifest cannot point a reader at any other file.
+SHARD_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}\.safetensors")
 
 
 def bytes_per_token(hidden: int, compact: bool) -> int:
@@ -80,6 +84,20 @@ def checksum(parts: Sequence[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+_DISK_FULL = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the disk quota is exceeded",
+              errno.EFBIG: "the file size limit is reached (ulimit -f, or the file system's largest file)"}
+
+
+def disk_full(e: BaseException) -> str | None:
+    """Why a write failed when it is for want of room (ENOSPC, EDQUOT, EFBIG, also inside a safetensors error), else
+    None: the errors a user fixes by freeing space rather than by changing anything in eyas."""
+    code = getattr(e, "errno", None)
+    if code is None:  # safetensors' Rust writer: "... I/O error: No space left on device (os error 28)"
+        m = re.search(r"\(os error (\d+)\)", str(e))
+        code = int(m.group(1)) if m else None
+    return _DISK_FULL.get(code)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -103,13 +121,17 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-(len(blob) + 8) % 8)  # data starts 8-byte aligned
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)) + blob)
-        for n in names:
-            f.write(tensors[n].contiguous().view(torch.uint8).numpy().data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)) + blob)
+            for n in names:
+                f.write(tensors[n].contiguous().view(torch.uint8).numpy().data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # half a file is of no use, and on a full disk it holds the space
+        raise
     _fsync_dir(path.parent)
     return 8 + len(blob) + pos
 
@@ -128,7 +150,11 @@ def read_header(path: Path) -> tuple[dict, int]:
     except (ValueError, struct.error, UnicodeDecodeError) as e:
         raise EyasError(f"shard {path} is corrupted: unreadable header ({e})",
                         fix="delete the shard and re-run the command that wrote the store") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    try:
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError):
+        raise EyasError(f"shard {path} is corrupted: its header does not describe tensors",
+                        fix="delete the shard and re-run the command that wrote the store") from None
     if 8 + n + end != size:
         raise EyasError(f"shard {path} is truncated: {size:,} bytes, its header describes {8 + n + end:,}",
                         fix="delete the shard and re-run the command that wrote the store (finished shards are kept)")
@@ -250,29 +276,37 @@ class StoreSample:
 class _Shard:
     """A memory-mapped shard: one tensor view per stored tensor, over the whole file (no copy)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, need: tuple[str, ...]):
         header, start = read_header(path)
         with open(path, "rb") as f:  # a private mapping: writes to a view never reach the file
             self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         self.t = {}
-        for name, spec in header.items():
-            if name == "__metadata__":
-                continue
-            dt = _TORCH_DTYPES[spec["dtype"]]
-            a, b = spec["data_offsets"]
-            shape = spec["shape"]
-            self.t[name] = torch.frombuffer(self.mm, dtype=dt, count=(b - a) // dt.itemsize,
-                                            offset=start + a).view(shape) if b > a else torch.empty(shape, dtype=dt)
+        try:
+            for name, spec in header.items():
+                if name == "__metadata__":
+                    continue
+                dt = _TORCH_DTYPES[spec["dtype"]]
+                a, b = spec["data_offsets"]
+                shape = spec["shape"]
+                self.t[name] = torch.frombuffer(self.mm, dtype=dt, count=(b - a) // dt.itemsize,
+                                                offset=start + a).view(shape) if b > a else torch.empty(shape, dtype=dt)
+            missing = [n for n in need if n not in self.t]
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:  # a damaged header: dtype, shape, offsets
+            missing = [f"readable tensors ({type(e).__name__}: {str(e)[:80]})"]
+        if missing:
+            raise EyasError(f"shard {path} is corrupted: its header lacks {', '.join(missing)}",
+                            fix="delete the shard and re-run the command that wrote the store")
 
 
 class StoreReader:
     """Random access to a store's samples; `reader[i]` returns zero-copy views into the memory-mapped shards.
 
     `skip_bad=True` leaves out (and counts in `.skipped`) the samples of shards that are missing or truncated,
-    instead of refusing to open the store.
+    instead of refusing to open the store. `check_reads=True` checks each sample's checksum the first time it is
+    read, so damaged bytes are an error naming the shard and sample, never data.
     """
 
-    def __init__(self, path: str | Path, *, skip_bad: bool = False):
+    def __init__(self, path: str | Path, *, skip_bad: bool = False, check_reads: bool = True):
         self.path = Path(path)
         mpath = self.path / MANIFEST
         if not mpath.is_file():
@@ -285,6 +319,7 @@ class StoreReader:
             raise EyasError(f"{mpath} is corrupted: {e}", fix="re-run the command that wrote the store") from None
         if self.manifest.get("format") != FORMAT or self.manifest.get("version") != VERSION:
             raise EyasError(f"{mpath} is not an eyas store of version {VERSION}", fix="re-extract with this eyas")
+        self._check_names(mpath)
         self.bad_shards = self._check_files()
         if self.bad_shards and not skip_bad:
             name, why = next(iter(self.bad_shards.items()))
@@ -297,6 +332,20 @@ class StoreReader:
         self.lengths = np.fromiter((s["length"] for s in self.samples), dtype=np.int64, count=len(self.samples))
         self.ids = [s["id"] for s in self.samples]
         self._shards: dict[str, _Shard] = {}
+        self._unchecked = np.ones(len(self.samples), dtype=bool) if check_reads else None
+
+    def _check_names(self, mpath: Path) -> None:
+        """Every shard the manifest names is a plain file name in STORE/shards, never a path."""
+        try:
+            names = {s["name"] for s in self.manifest["shards"]} | {s["shard"] for s in self.manifest["samples"]}
+        except (KeyError, TypeError) as e:
+            raise EyasError(f"{mpath} is damaged: its shard or sample lists lack {e}",
+                            fix="re-run the command that wrote the store") from None
+        bad = [n for n in names if not (isinstance(n, str) and SHARD_FILE.fullmatch(n))]
+        if bad:
+            raise EyasError(f"{mpath} names the shard {bad[0]!r}, which is not a file name in {self.path / SHARD_DIR}",
+                            "a store reads only its own shards/ folder; a path there could read any file",
+                            "re-run the command that wrote the store (never edit a manifest by hand)")
 
     def _check_files(self) -> dict[str, str]:
         """Shards that are missing or whose size differs from the manifest (a cheap stat per shard)."""
@@ -345,13 +394,21 @@ class StoreReader:
         if sh is None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
-                sh = self._shards[name] = _Shard(self.path / SHARD_DIR / name)
+                need = tuple(n for n in TENSORS if self.compact or not n.endswith("_exp"))
+                sh = self._shards[name] = _Shard(self.path / SHARD_DIR / name, need)
         return sh
 
     def __getitem__(self, i: int) -> StoreSample:
         s = self.samples[i]
         t = self.shard(s["shard"]).t
         sl = slice(s["offset"], s["offset"] + s["length"])
+        if self._unchecked is not None and self._unchecked[i]:
+            if checksum([t[n][sl] for n in TENSORS if n in t]) != s["checksum"]:
+                raise EyasError(f"store {self.path}: shard {s['shard']}: sample {s['id']} (row {s['row']}) is "
+                                "corrupted (its checksum differs)", "the shard was damaged after it was written",
+                                f"`eyas store verify {self.path}` lists every damaged sample; delete the shards it "
+                                "names and rerun the extract (it rewrites only those), or import again")
+            self._unchecked[i] = False
         if self.compact:
             L, H = s["length"], self.hidden_size
             aux = dequantize_rows(t["aux"][sl].view(L, 3, H), t["aux_exp"][sl]).view(L, 3 * H)
@@ -382,9 +439,7 @@ class StoreReader:
         try:
             t = self.shard(name).t
         except EyasError as e:
-            return [str(e).split("\n")[0]]
-        if any(n not in t for n in ("input_ids", "loss_mask", "aux", "final")):
-            return [f"shard {name} lacks tensors (has {sorted(t)})"]
+            return [str(e).split("\n")[0]]  # unreadable, or lacking tensors
         problems = []
         rows = len(t["input_ids"])
         for s in samples:

@@ -159,9 +159,11 @@ def target_parts(spec: str, need_norm: bool):
         return t.identity(), t.num_layers, t.hidden_size, t.final_norm() if need_norm else None
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from eyas.target import refusing_code
+
     name, folder = resolve_source(spec)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    with torch.device("meta"), refusing_code(folder):  # never the folder's own code (nor a prompt to run it)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, trust_remote_code=False))
     t = Target(name=name, model=model, tokenizer=None, source=str(folder))
     norm = _load_module(t.final_norm(), model, folder) if need_norm else None
     return t.identity(), t.num_layers, t.hidden_size, norm
@@ -173,11 +175,13 @@ def _load_module(module: torch.nn.Module, model: torch.nn.Module, folder: Path) 
     prefix = next(n for n, m in model.named_modules() if m is module) + "."
     index = folder / "model.safetensors.index.json"
     keys = {prefix + k for k in module.state_dict()}
+    from eyas.paths import inside
+
     files = ({json.loads(index.read_text())["weight_map"][k] for k in keys} if index.is_file()
              else {"model.safetensors"})
     state = {}
     for fname in files:
-        with safe_open(str(folder / fname), "pt") as f:
+        with safe_open(str(inside(folder, fname, index)), "pt") as f:
             state.update({k[len(prefix):]: f.get_tensor(k) for k in keys if k in f.keys()})  # noqa: SIM118 - a safe_open handle, not a dict
     module = module.to_empty(device="cpu")
     module.load_state_dict(state)

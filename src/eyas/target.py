@@ -15,11 +15,13 @@ the output of decoder layer i-1, and the final hidden state is the output of the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
 import json
 import os
+import pickle
 import time
 from pathlib import Path
 
@@ -231,6 +233,37 @@ def resolve_source(spec: str) -> tuple[str, Path]:
                     f"use one of {', '.join(BUILTINS)}, or a path to a local model folder or .gguf file")
 
 
+@contextlib.contextmanager
+def refusing_code(folder: Path):
+    """transformers' refusals to run a folder's own code or to unpickle objects, as EyasErrors naming the folder."""
+    try:
+        yield
+    except pickle.UnpicklingError:
+        raise EyasError(f"{folder}: refused: its weights hold pickled objects that are not tensors",
+                        "eyas reads weights with safetensors or torch.load(weights_only=True), never running code",
+                        "convert the weights to model.safetensors (safetensors.torch.save_file)") from None
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        raise EyasError(f"{folder} needs Python code shipped with it to load",
+                        "transformers would run that code; eyas lets it only when you ask",
+                        f"pass --trust-remote-code if you trust the code in {folder}") from None
+
+
+def _check_index(folder: Path) -> None:
+    """The weight files a sharded checkpoint's index names are files of the folder (eyas.paths.inside)."""
+    from eyas.paths import inside
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise EyasError(f"{index} is unreadable ({e})", fix="download the model again") from None
+        for name in sorted(names, key=str):
+            inside(folder, name, index)
+
+
 def load_target(spec: str = DEFAULT_TARGET, *, dtype: str | torch.dtype = "float32", device: str = "cpu",
                 trust_remote_code: bool = False) -> Target:
     """Load a target for any stage, in eval mode with gradients off."""
@@ -243,8 +276,11 @@ def load_target(spec: str = DEFAULT_TARGET, *, dtype: str | torch.dtype = "float
     if spec == "tiny":
         model, tokenizer = _build_tiny(folder)
     else:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=_dtype(dtype), trust_remote_code=trust_remote_code)
-        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+        _check_index(Path(folder))
+        with refusing_code(folder):
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=_dtype(dtype),
+                                                         trust_remote_code=trust_remote_code)
+            tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     model = model.to(device=device, dtype=_dtype(dtype)).eval().requires_grad_(False)
     return Target(name=name, model=model, tokenizer=tokenizer, source=str(folder))
 
@@ -254,7 +290,8 @@ def load_tokenizer(spec: str = DEFAULT_TARGET, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     _, folder = resolve_source(spec)
-    return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    with refusing_code(folder):
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
 
 
 def timed_load(spec: str, **kw) -> tuple[Target, float]:

@@ -404,8 +404,30 @@ def run(cfg: TrainConfig) -> dict | None:
     try:
         summary = Trainer(cfg, env, console(env.rank, cfg.quiet, cfg.json)).fit()
         return summary if env.is_main else None
+    except Exception as e:
+        err = explain_failure(e, cfg, env)
+        if err is None:
+            raise
+        raise err from None
     finally:
         dist.shutdown()
+
+
+def explain_failure(e: Exception, cfg: TrainConfig, env) -> EyasError | None:
+    """What to tell the user when a rank lost its peers or the disk filled up (a checkpoint says which one it was
+    writing; this covers metrics.jsonl, plan.json, final/); None for any other error."""
+    from eyas.store import disk_full
+
+    resume = ("rerun the same command with --resume: training continues from the last complete checkpoint in "
+              f"{cfg.out}/checkpoints")
+    lost = dist.peer_failure(e, env, f"find the cause in the other ranks' output, then {resume}")
+    if lost is not None:
+        return lost
+    why = disk_full(e)
+    if why is None:
+        return None
+    return EyasError(f"cannot write to {cfg.out}: {why}", "the run folder's disk is full (or a size limit or quota "
+                     "was hit)", f"free space on that disk (or lower --keep-checkpoints), then {resume}")
 
 
 if __name__ == "__main__":

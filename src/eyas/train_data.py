@@ -46,6 +46,29 @@ def open_store(path: str):
     return StoreReader(path)
 
 
+def check_store_data(reader, data: str) -> None:
+    """Refuse a store that was not extracted from the prepared dataset `data` (`train --store S --data D`): equal
+    fingerprints when both record one, else every sample's ids and token ids against its prepared row."""
+    from eyas.extract import open_prepared
+    from eyas.store_cli import check_tokens
+
+    recorded = reader.manifest.get("dataset") or {}
+    split = recorded.get("split") or "train"
+    _, fingerprint = open_prepared(data, split)
+    fix = f"train on the store extracted from {data} (eyas extract --data {data}), or give the dataset it came from"
+    if recorded.get("fingerprint") and fingerprint:
+        if recorded["fingerprint"] != fingerprint:
+            raise EyasError(f"store {reader.path} was extracted from another dataset than {data}: dataset "
+                            f"fingerprint {str(recorded['fingerprint'])[:16]} in the store, {str(fingerprint)[:16]} "
+                            f"in {data}", "its hidden states belong to other token sequences", fix)
+        return
+    problems = check_tokens(reader, data, split)
+    if problems:
+        raise EyasError(f"store {reader.path} does not hold the tokens of {data} [{split}]: {len(problems)} "
+                        f"sample(s) differ, e.g. {problems[0]}", "its hidden states belong to other token sequences",
+                        fix)
+
+
 class PreparedSource:
     """A split of a prepared dataset (eyas.prepare) as a source without features (online training)."""
 

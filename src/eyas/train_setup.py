@@ -100,7 +100,13 @@ def resume_point(t):
 
 def sources(cfg):
     """(training source, validation source or None)."""
-    from eyas.train_data import PreparedSource, Subset, open_store, split_holdout
+    from eyas.train_data import (
+        PreparedSource,
+        Subset,
+        check_store_data,
+        open_store,
+        split_holdout,
+    )
 
     if cfg.online:
         train = PreparedSource(cfg.data, "train")
@@ -109,6 +115,8 @@ def sources(cfg):
         val = val if val is not None and len(val) else None
     else:
         train = open_store(cfg.store)
+        if cfg.data:  # the store must hold this prepared dataset's tokens
+            check_store_data(train, cfg.data)
         val = open_store(cfg.val_store) if cfg.val_store else None
     if len(train) == 0:
         raise EyasError(f"the training data {cfg.data if cfg.online else cfg.store} has no samples",
