@@ -76,3 +76,9 @@ def test_force_clears_a_resuming_stage_only_inside_the_run(tmp_path):
     stage = Stage("plan", "plan", {"samples": 10, "world_size": 2, "quiet": True}, fresh=(str(run / "train"),))
     run_stage(stage, run, Console(quiet=True), force=True)
     assert not (run / "train").exists() and (run / "stages" / "plan.json").is_file()
+    (run / "train").mkdir()  # its output again; same settings: cached, kept
+    run_stage(stage, run, Console(quiet=True))
+    assert (run / "train").is_dir()
+    changed = Stage("plan", "plan", {"samples": 12, "world_size": 2, "quiet": True}, fresh=(str(run / "train"),))
+    run_stage(changed, run, Console(quiet=True))  # other settings: the old output cannot be resumed, so it goes
+    assert not (run / "train").exists()

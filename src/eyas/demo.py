@@ -37,7 +37,7 @@ class DemoConfig(StageConfig):
     name: str = opt("", "run name: the run folder is RUNS_DIR/NAME (default: demo, or demo-quick with --quick)")
     runs_dir: str = opt("runs", "folder holding the runs")
     samples: int = opt(0, "training conversations (0: 320, or 48 with --quick)")
-    eval_prompts: int = opt(0, "MT-Bench questions evaluated (0: 10, or 4 with --quick)")
+    eval_prompts: int = opt(0, "MT-Bench questions evaluated (0: 6, or 4 with --quick)")
     nproc: int = opt(2, "training processes under torchrun")
     force: bool = opt(False, "rerun every stage even when it finished before with the same settings")
 
@@ -74,13 +74,13 @@ def demo_stages(cfg: DemoConfig, run: Path) -> list[Stage]:
                                          out=f"{r}/prepared", max_length=1024, overwrite=True, quiet=cfg.quiet)),
         Stage("extract", "extract", dict(target=target, data=f"{r}/prepared", store=f"{r}/store", quiet=cfg.quiet)),
         Stage("train", "train", dict(target=target, store=f"{r}/store", out=f"{r}/train", epochs=2 if quick else 3,
-                                     ttt_steps=3, lr=1e-3 if quick else 3e-4, max_tokens=1024,
+                                     ttt_steps=3, lr=1e-3, micro_batch=1, max_tokens=1024,
                                      draft_vocab=2048 if quick else 8192, checkpoint_every=50, resume=True,
                                      quiet=cfg.quiet),
               nproc=cfg.nproc, fresh=(f"{r}/train",)),
         Stage("evaluate", "evaluate", dict(target=target, draft=f"{r}/train/final", bench="mt_bench",
-                                           out=f"{r}/evaluate", num_prompts=cfg.eval_prompts or (4 if quick else 10),
-                                           max_new_tokens=48 if quick else 128, chain=(3, 5) if quick else (3, 5, 7),
+                                           out=f"{r}/evaluate", num_prompts=cfg.eval_prompts or (4 if quick else 6),
+                                           max_new_tokens=48 if quick else 96, chain=(3, 5) if quick else (3, 5, 7),
                                            quiet=cfg.quiet)),
         Stage("export-eagle3", "export", dict(checkpoint=f"{r}/train/final", format="eagle3",
                                               out=f"{r}/export/eagle3", overwrite=True, quiet=cfg.quiet)),

@@ -76,14 +76,13 @@ def run_stage(stage: Stage, run_dir: Path, con: Console, force: bool = False) ->
 
     marker = run_dir / "stages" / f"{stage.name}.json"
     key = settings_key(stage)
-    if marker.exists() and not force:
-        done = json.loads(marker.read_text())
-        if done.get("key") == key:
-            con.print(f"[{stage.name}] cached: finished earlier with the same settings "
-                      f"({fmt_duration(done.get('elapsed_s', 0))}), skipped (rerun with --force to redo)")
-            return done["summary"]
-    if force:
-        _clear(stage, run_dir, con)
+    done = json.loads(marker.read_text()) if marker.exists() else None
+    if done and done.get("key") == key and not force:
+        con.print(f"[{stage.name}] cached: finished earlier with the same settings "
+                  f"({fmt_duration(done.get('elapsed_s', 0))}), skipped (rerun with --force to redo)")
+        return done["summary"]
+    if force or done:  # redo, or finished with other settings: what it left cannot be resumed under these
+        _clear(stage, run_dir, con, "--force" if force else "settings changed")
     cls, run = load_stage(stage.command)
     cfg = from_mapping(cls, stage.settings, f"stage {stage.name}")
     con.print(f"[{stage.name}] eyas {stage.command} {' '.join(to_argv(cfg))}")
@@ -98,8 +97,8 @@ def run_stage(stage: Stage, run_dir: Path, con: Console, force: bool = False) ->
     return summary
 
 
-def _clear(stage: Stage, run_dir: Path, con: Console) -> None:
-    """--force: remove what a resuming stage would otherwise continue from; never anything outside the run."""
+def _clear(stage: Stage, run_dir: Path, con: Console, why: str) -> None:
+    """Remove what a resuming stage would otherwise continue from; never anything outside the run."""
     root = run_dir.resolve()
     for folder in stage.fresh:
         path = Path(folder).resolve()
@@ -107,7 +106,7 @@ def _clear(stage: Stage, run_dir: Path, con: Console) -> None:
             raise EyasError(f"stage {stage.name} would clear {path}, which is not inside the run folder {root}",
                             fix="give the stage an output folder inside the run")
         if path.exists():
-            con.print(f"[{stage.name}] --force: removing the earlier output {path}")
+            con.print(f"[{stage.name}] {why}: removing the earlier output {path}")
             shutil.rmtree(path)
 
 

@@ -36,7 +36,8 @@ class TrainConfig(StageConfig):
     target: str = opt(DEFAULT_TARGET, "the target the store was extracted from: embeddings, output head, identity")
     out: str = opt("runs/demo/draft", "run folder: metrics.jsonl, plan.json, audit.json, checkpoints/, final/")
     online: bool = opt(False, "run the target in the loop to compute the features (no store; needs --data)")
-    data: str = opt("", "prepared dataset folder for --online (train split; its validation split is used if present)")
+    data: str = opt("", "prepared dataset folder: the samples for --online; with --store, the dataset the store "
+                        "must have been extracted from (checked)")
     val_store: str = opt("", "hidden-state store for the validation pass; empty: hold out --val-fraction")
     val_fraction: float = opt(0.0, "share of the training samples held out for validation (without --val-store)")
     epochs: int = opt(1, "passes over the training data")
