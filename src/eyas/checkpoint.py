@@ -246,11 +246,10 @@ def load_checkpoint(folder: str | Path) -> tuple[dict, dict, dict]:
 
     folder = Path(folder)
     files = [folder / STATE_FILE, folder / OPTIM_FILE, folder / WEIGHTS_FILE]
+    fix = "delete that folder to resume from the one before, or start a new run in another --out"
     missing = [f.name for f in files if not f.is_file()]
     if missing:
-        raise EyasError(f"checkpoint {folder} is incomplete: {', '.join(missing)} missing",
-                        fix="delete that folder to resume from the one before, or start a new run in another --out")
-    fix = "delete that folder to resume from the one before, or start a new run in another --out"
+        raise EyasError(f"checkpoint {folder} is incomplete: {', '.join(missing)} missing", fix=fix)
     state = read_checked_json(files[0], fix)
     try:
         optim = unflatten_optimizer_state(load_tensors(files[1], fix), state["optimizer"])

@@ -36,6 +36,25 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+def layer_forward(layer, weights: tuple, heads: tuple[int, int, int], x: torch.Tensor, cos, sin,
+                  k: torch.Tensor, v: torch.Tensor, start: int, attend) -> torch.Tensor:
+    """One pre-norm Llama decoder layer over x [B,q,H] at cache columns start..start+q: its keys and values are
+    written into k, v [B,nkv,cap,hd] in place, `attend(q, k, v)` [B,nh,q,hd] attends over columns :start+q.
+    `weights` = (fused [q|k|v], its bias or None, fused [gate|up]) from fuse_projections; heads = (nh, nkv, hd)."""
+    wqkv, bqkv, wgu = weights
+    nh, nkv, hd = heads
+    B, q, _ = x.shape
+    end = start + q
+    qs, ks, vs = F.linear(layer.input_layernorm(x), wqkv, bqkv).split((nh * hd, nkv * hd, nkv * hd), dim=-1)
+    qs = rotate(qs.view(B, q, nh, hd).transpose(1, 2), cos, sin)  # [B,nh,q,hd]
+    k[:, :, start:end] = rotate(ks.view(B, q, nkv, hd).transpose(1, 2), cos, sin)
+    v[:, :, start:end] = vs.view(B, q, nkv, hd).transpose(1, 2)
+    o = attend(qs, k[:, :, :end], v[:, :, :end])  # [B,nh,q,hd]
+    x = x + layer.self_attn.o_proj(o.transpose(1, 2).reshape(B, q, nh * hd))
+    g, u = F.linear(layer.post_attention_layernorm(x), wgu).chunk(2, dim=-1)
+    return x + layer.mlp.down_proj(F.silu(g) * u)
+
+
 def supports(target) -> bool:
     return getattr(target.text_config, "model_type", "") in LEAN_MODEL_TYPES
 
@@ -97,22 +116,15 @@ class BatchGenerator:
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, start: int, mask: torch.Tensor) -> torch.Tensor:
         """ids [B,q] at cache columns start..start+q, positions [B,q], mask [B,1,q,start+q] -> last logits [B,V]."""
-        B, q = ids.shape
-        end = start + q
         body = self.model.model
         x = body.embed_tokens(ids)  # [B,q,H]
         cos, sin = body.rotary_emb(x, pos)  # [B,q,hd]
         cos, sin = cos[:, None], sin[:, None]
-        nq, nk = self.nh * self.hd, self.nkv * self.hd
+
+        def sdpa(qs, ks, vs):
+            return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=self.nkv != self.nh)
+
         for i, layer in enumerate(self.layers):
-            h = layer.input_layernorm(x)
-            qs, ks, vs = F.linear(h, self.wqkv[i], self.bqkv[i]).split((nq, nk, nk), dim=-1)
-            qs = rotate(qs.view(B, q, self.nh, self.hd).transpose(1, 2), cos, sin)  # [B,nh,q,hd]
-            self.k[i, :, :, start:end] = rotate(ks.view(B, q, self.nkv, self.hd).transpose(1, 2), cos, sin)
-            self.v[i, :, :, start:end] = vs.view(B, q, self.nkv, self.hd).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qs, self.k[i, :, :, :end], self.v[i, :, :, :end], attn_mask=mask,
-                                               enable_gqa=self.nkv != self.nh)  # [B,nh,q,hd]
-            x = x + layer.self_attn.o_proj(o.transpose(1, 2).reshape(B, q, nq))
-            g, u = F.linear(layer.post_attention_layernorm(x), self.wgu[i]).chunk(2, dim=-1)
-            x = x + layer.mlp.down_proj(F.silu(g) * u)
+            x = layer_forward(layer, (self.wqkv[i], self.bqkv[i], self.wgu[i]), (self.nh, self.nkv, self.hd), x,
+                              cos, sin, self.k[i], self.v[i], start, sdpa)
         return self.model.lm_head(body.norm(x[:, -1]))  # [B,V]

@@ -23,9 +23,8 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.nn.functional as F
 
-from eyas.generate import fuse_projections, rotate, supports
+from eyas.generate import fuse_projections, layer_forward, supports
 
 
 def attention_mask(prefix: int, tree: torch.Tensor | None, q: int, device) -> torch.Tensor | None:
@@ -157,18 +156,13 @@ class LeanRunner(TargetRunner):
         cos, sin = cos[:, None], sin[:, None]
         mask = _rep_mask(attention_mask(start, tree, q, x.device), self.nh // self.nkv)
         feats = [x] if 0 in self.feature_layers else []
-        nq, nk = self.nh * self.hd, self.nkv * self.hd
+
+        def exact(qs, ks, vs):
+            return _attend(qs, ks, vs, mask)
+
         for i, layer in enumerate(self.layers):
-            h = layer.input_layernorm(x)
-            qkv = F.linear(h, self.wqkv[i], self.bqkv[i])  # [1,q,(nh+2nkv)*hd]
-            qs, ks, vs = qkv.split((nq, nk, nk), dim=-1)
-            qs = rotate(qs.view(1, q, self.nh, self.hd).transpose(1, 2), cos, sin)
-            self.k[i, :, :, start:end] = rotate(ks.view(1, q, self.nkv, self.hd).transpose(1, 2), cos, sin)
-            self.v[i, :, :, start:end] = vs.view(1, q, self.nkv, self.hd).transpose(1, 2)
-            o = _attend(qs, self.k[i, :, :, :end], self.v[i, :, :, :end], mask)  # [1,nh,q,hd]
-            x = x + layer.self_attn.o_proj(o.transpose(1, 2).reshape(1, q, nq))
-            g, u = F.linear(layer.post_attention_layernorm(x), self.wgu[i]).chunk(2, dim=-1)
-            x = x + layer.mlp.down_proj(F.silu(g) * u)
+            x = layer_forward(layer, (self.wqkv[i], self.bqkv[i], self.wgu[i]), (self.nh, self.nkv, self.hd), x,
+                              cos, sin, self.k[i], self.v[i], start, exact)
             if i + 1 in self.feature_layers:
                 feats.append(x)
         if last_only:
