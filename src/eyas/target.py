@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from eyas.errors import EyasError
+from eyas.memory import pack_module
 from eyas.paths import cache_dir
 
 DEFAULT_TARGET = "smollm2-135m"
@@ -282,6 +283,7 @@ def load_target(spec: str = DEFAULT_TARGET, *, dtype: str | torch.dtype = "float
                                                          trust_remote_code=trust_remote_code)
             tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     model = model.to(device=device, dtype=_dtype(dtype)).eval().requires_grad_(False)
+    pack_module(model)  # on CPUs: weights in 2 MiB pages, several times faster to stream (eyas.memory)
     return Target(name=name, model=model, tokenizer=tokenizer, source=str(folder))
 
 
