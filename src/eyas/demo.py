@@ -81,6 +81,7 @@ def demo_stages(cfg: DemoConfig, run: Path) -> list[Stage]:
         Stage("evaluate", "evaluate", dict(target=target, draft=f"{r}/train/final", bench="mt_bench",
                                            out=f"{r}/evaluate", num_prompts=cfg.eval_prompts or (4 if quick else 6),
                                            max_new_tokens=48 if quick else 64, chain=(3, 5) if quick else (3, 5, 7),
+                                           hf_generate=False,  # the lean greedy decoder is the baseline either way
                                            quiet=cfg.quiet)),
         Stage("export-eagle3", "export", dict(checkpoint=f"{r}/train/final", format="eagle3",
                                               out=f"{r}/export/eagle3", overwrite=True, quiet=cfg.quiet)),
