@@ -82,3 +82,20 @@ def test_force_clears_a_resuming_stage_only_inside_the_run(tmp_path):
     changed = Stage("plan", "plan", {"samples": 12, "world_size": 2, "quiet": True}, fresh=(str(run / "train"),))
     run_stage(changed, run, Console(quiet=True))  # other settings: the old output cannot be resumed, so it goes
     assert not (run / "train").exists()
+
+
+def test_a_stage_that_failed_is_cleared_when_rerun_with_other_settings(tmp_path):
+    run = tmp_path / "run"
+    (run / "train").mkdir(parents=True)
+    bad = Stage("plan", "plan", {"samples": 10, "world_size": -1, "quiet": True}, fresh=(str(run / "train"),))
+    with pytest.raises(EyasError):
+        run_stage(bad, run, Console(quiet=True))  # began, failed: no finished marker
+    (run / "train" / "checkpoint").write_text("partial")
+    again = Stage("plan", "plan", {"samples": 10, "world_size": -1, "quiet": True}, fresh=(str(run / "train"),))
+    with pytest.raises(EyasError):
+        run_stage(again, run, Console(quiet=True))  # same settings: its partial output is kept for resuming
+    assert (run / "train" / "checkpoint").is_file()
+    fixed = Stage("plan", "plan", {"samples": 10, "world_size": 2, "quiet": True}, fresh=(str(run / "train"),))
+    run_stage(fixed, run, Console(quiet=True))  # other settings: the partial output cannot be resumed, so it goes
+    assert not (run / "train").exists() and (run / "stages" / "plan.json").is_file()
+    assert not (run / "stages" / "plan.started").exists()

@@ -81,8 +81,12 @@ def run_stage(stage: Stage, run_dir: Path, con: Console, force: bool = False) ->
         con.print(f"[{stage.name}] cached: finished earlier with the same settings "
                   f"({fmt_duration(done.get('elapsed_s', 0))}), skipped (rerun with --force to redo)")
         return done["summary"]
-    if force or done:  # redo, or finished with other settings: what it left cannot be resumed under these
+    started = run_dir / "stages" / f"{stage.name}.started"  # a run that began and did not finish (JSON; not *.json, which are finished stages)
+    began = json.loads(started.read_text()) if started.exists() else None
+    if force or done or (began and began.get("key") != key):
+        # redo, or begun or finished with other settings: what it left cannot be resumed under these
         _clear(stage, run_dir, con, "--force" if force else "settings changed")
+    write_json(started, {"key": key})
     cls, run = load_stage(stage.command)
     cfg = from_mapping(cls, stage.settings, f"stage {stage.name}")
     con.print(f"[{stage.name}] eyas {stage.command} {' '.join(to_argv(cfg))}")
@@ -94,6 +98,7 @@ def run_stage(stage: Stage, run_dir: Path, con: Console, force: bool = False) ->
     elapsed = time.perf_counter() - t0
     write_json(marker, {"key": key, "command": stage.command, "settings": stage.settings, "nproc": stage.nproc,
                         "summary": summary, "elapsed_s": elapsed})
+    started.unlink(missing_ok=True)
     return summary
 
 
