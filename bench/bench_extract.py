@@ -7,10 +7,9 @@
    wall-clock throughput. The ratio of CPU times (user + system, all threads) is printed beside it: on a machine
    without a spare core the writer thread's work cannot hide, and that figure says what it costs.
 2. random-sample reads / sequential reads of the same bytes from the page cache             (goal >= 0.8)
-   random = `StoreReader(store)[i]` in a shuffled order, each sample copied into a batch buffer as the trainer's
-   collate does (ids and mask from the sample's views, features by `read_features`, a preadv); a fresh reader
-   each time, so its first pass also checks every sample's checksum, as a training run's first epoch does;
-   sequential = the shard files read front to back with readinto, after one warming read. Both on one thread.
+   random = `StoreReader(store)[i]` in a shuffled order, each sample's tensors copied into a batch buffer (what a
+   collate does); sequential = the shard files read front to back with readinto, after one warming read.
+   Both on one thread.
 3. bytes per token of the bf16 and the compact store / the 8H reference (3 feature layers + final, bf16)
 
     python bench/bench_extract.py                           # SmolLM2-135M on 60 GSM8K conversations
@@ -115,13 +114,13 @@ def read_random(store: Path, passes: int, seed: int, shuffle: bool = True) -> tu
         order = list(range(len(reader)))
         if shuffle:
             rng.shuffle(order)
-        for i in order:  # as the trainer's collate does: ids and mask from the views, features by read_features
+        for i in order:
             s = reader[i]
             n = len(s.input_ids)
-            bufs["input_ids"][:n].copy_(s.input_ids)
-            bufs["loss_mask"][:n].copy_(s.loss_mask)
-            reader.read_features(i, bufs["aux"][:n], bufs["final"][:n])
-            total += sum(getattr(s, name).nbytes for name in bufs)
+            for name, buf in bufs.items():
+                src = getattr(s, name)
+                buf[:n].copy_(src)
+                total += src.nbytes
     return time.perf_counter() - t0, total
 
 

@@ -193,34 +193,3 @@ def test_verify_against_the_prepared_data_names_a_sample_with_other_tokens(tmp_p
     assert cli.main(["store", "verify", str(store), "--data", str(tmp_path / "prep2"), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert "1 problem" in err and "sample id-2 (row 2) has other token ids" in err and shard_name(0) in err
-
-
-@pytest.mark.parametrize("compact", [False, True])
-def test_read_features_equals_the_views_and_feeds_a_packed_batch(tmp_path, compact):
-    from eyas.train_data import Subset, collate, load_micro_batch
-
-    data = samples(9, seed=3)
-    r = StoreReader(build_store(tmp_path / "s", data, compact=compact))
-    for i in (4, 0, 8, 4):  # the first read of 4 goes through the checksum check, the second by preadv
-        L = len(data[i][2])
-        aux, final = torch.full((L, 3 * H), 7.0, dtype=torch.bfloat16), torch.zeros(L, H, dtype=torch.bfloat16)
-        r.read_features(i, aux, final)
-        assert torch.equal(aux, r[i].aux) and torch.equal(final, r[i].final)
-    micro = ((5, 1, 7), (2,))  # row 0 packs three samples from different shards
-    plain = collate([[r[i] for i in unit] for unit in micro])
-    for source, idx in ((r, micro), (Subset(r, [9 - 1 - k for k in range(9)]), tuple(tuple(8 - i for i in u) for u in micro))):
-        got = load_micro_batch(source, idx)
-        assert torch.equal(got.aux, plain.aux) and torch.equal(got.final, plain.final)
-        assert torch.equal(got.input_ids, plain.input_ids) and torch.equal(got.doc_ids, plain.doc_ids)
-
-
-def test_read_features_of_a_truncated_shard_is_a_clear_error(tmp_path):
-    data = samples(3, seed=1)
-    root = build_store(tmp_path / "s", data)
-    r = StoreReader(root, check_reads=False)
-    path = root / SHARD_DIR / shard_name(0)
-    r.shard(shard_name(0))  # opened (mapped) while whole
-    path.write_bytes(path.read_bytes()[:200])  # then cut: the file is now shorter than its header says
-    L = len(data[2][2])
-    with pytest.raises(EyasError, match="shorter than its header"):
-        r.read_features(2, torch.empty(L, 3 * H, dtype=torch.bfloat16), torch.empty(L, H, dtype=torch.bfloat16))

@@ -280,8 +280,7 @@ class _Shard:
         header, start = read_header(path)
         with open(path, "rb") as f:  # a private mapping: writes to a view never reach the file
             self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        self.path, self.fd = path, None  # fd: opened by the first read_rows
-        self.t, self.where = {}, {}  # name -> view; name -> (file offset, bytes per row)
+        self.t = {}
         try:
             for name, spec in header.items():
                 if name == "__metadata__":
@@ -289,7 +288,6 @@ class _Shard:
                 dt = _TORCH_DTYPES[spec["dtype"]]
                 a, b = spec["data_offsets"]
                 shape = spec["shape"]
-                self.where[name] = (start + a, (b - a) // max(1, shape[0]) if shape else 0)
                 self.t[name] = torch.frombuffer(self.mm, dtype=dt, count=(b - a) // dt.itemsize,
                                                 offset=start + a).view(shape) if b > a else torch.empty(shape, dtype=dt)
             missing = [n for n in need if n not in self.t]
@@ -298,22 +296,6 @@ class _Shard:
         if missing:
             raise EyasError(f"shard {path} is corrupted: its header lacks {', '.join(missing)}",
                             fix="delete the shard and re-run the command that wrote the store")
-
-    def read_rows(self, name: str, row: int, dest: torch.Tensor) -> None:
-        """Rows row.. of tensor `name` into the contiguous `dest` (same dtype) with one preadv: the kernel copies
-        from the page cache through its own huge-page map, several times faster than copying from the 4 KiB
-        pages of the mapping on some machines (docs/extract.md, Performance)."""
-        offset, row_bytes = self.where[name]
-        if self.fd is None:
-            self.fd = os.open(self.path, os.O_RDONLY)
-        buf = dest.view(torch.uint8).numpy()
-        if os.preadv(self.fd, [buf], offset + row * row_bytes) != buf.nbytes:
-            raise EyasError(f"shard {self.path} is shorter than its header says", "the file was truncated",
-                            "`eyas store verify` names the damaged shards; delete them and rerun the extract")
-
-    def __del__(self):
-        if getattr(self, "fd", None) is not None:
-            os.close(self.fd)
 
 
 class StoreReader:
@@ -434,20 +416,6 @@ class StoreReader:
         else:
             aux, final = t["aux"][sl], t["final"][sl]
         return StoreSample(s["id"], t["input_ids"][sl].long(), t["loss_mask"][sl], aux, final)
-
-    def read_features(self, i: int, aux: torch.Tensor, final: torch.Tensor) -> None:
-        """Sample i's features copied into `aux` [L,3H] and `final` [L,H] (rows of a batch buffer): by preadv when
-        the store is bf16, the buffers contiguous and the sample already checked; else through `self[i]`."""
-        s = self.samples[i]
-        direct = not self.compact and not (self._unchecked is not None and self._unchecked[i])
-        if not (direct and aux.is_contiguous() and final.is_contiguous() and aux.dtype == final.dtype == torch.bfloat16):
-            x = self[i]
-            aux.copy_(x.aux)
-            final.copy_(x.final)
-            return
-        sh = self.shard(s["shard"])
-        sh.read_rows("aux", s["offset"], aux)
-        sh.read_rows("final", s["offset"], final)
 
     # --- checking
     def verify(self, progress: Callable[[int], None] | None = None) -> list[str]:

@@ -15,7 +15,6 @@ on reading and copying (the time it does wait is measured).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import queue
 import threading
 import time
@@ -113,11 +112,6 @@ class Subset:
     def __getitem__(self, i: int):
         return self.source[int(self.indices[i])]
 
-    @property
-    def read_features(self):
-        read = getattr(self.source, "read_features", None)
-        return None if read is None else (lambda i, aux, final: read(int(self.indices[i]), aux, final))
-
     def check_target(self, identity: dict) -> None:
         self.source.check_target(identity)
 
@@ -159,9 +153,8 @@ class Batch:
                                    aux=mv(self.aux, True), final=mv(self.final, True))
 
 
-def collate(rows: list[list[Sample]], repeats: int = 0, pin: bool = False, fills: list[list] | None = None) -> Batch:
-    """Rows of samples (several = packed) -> one right-padded Batch. `fills[r][d](aux, final)`, when given, copies
-    sample d of row r's features into the batch rows handed to it (a store reads them with preadv)."""
+def collate(rows: list[list[Sample]], repeats: int = 0, pin: bool = False) -> Batch:
+    """Rows of samples (several = packed) -> one right-padded Batch."""
     lens = [sum(len(s.input_ids) for s in row) for row in rows]
     B, T = len(rows), max(lens)
     first = rows[0][0]
@@ -184,9 +177,7 @@ def collate(rows: list[list[Sample]], repeats: int = 0, pin: bool = False, fills
             n = len(s.input_ids)
             ids[r, at:at + n], mask[r, at:at + n] = s.input_ids, s.loss_mask
             pos[r, at:at + n], doc[r, at:at + n] = torch.arange(n), d
-            if feats and fills:
-                fills[r][d](aux[r, at:at + n], final[r, at:at + n])
-            elif feats:
+            if feats:
                 aux[r, at:at + n], final[r, at:at + n] = s.aux, s.final
             docs.append((r, at, n))
             at += n
@@ -196,9 +187,7 @@ def collate(rows: list[list[Sample]], repeats: int = 0, pin: bool = False, fills
 
 
 def load_micro_batch(source, micro: tuple[tuple[int, ...], ...], repeats: int = 0, pin: bool = False) -> Batch:
-    read = getattr(source, "read_features", None)
-    fills = None if read is None else [[functools.partial(read, i) for i in unit] for unit in micro]
-    return collate([[source[i] for i in unit] for unit in micro], repeats, pin, fills)
+    return collate([[source[i] for i in unit] for unit in micro], repeats, pin)
 
 
 class Prefetcher:
