@@ -3,7 +3,7 @@
 Times a one-token forward step (B=1) of the target's lean decoder and its output head alone, with the weights
 as transformers loaded them and after `eyas.memory` moved them into huge pages, alternating the two.
 
-    EYAS_HUGEPAGES=0 python bench/bench_memory.py      # EYAS_HUGEPAGES=0: load_target leaves the weights alone
+    python bench/bench_memory.py      # sets EYAS_HUGEPAGES=0 itself, so that load_target leaves the weights alone
 """
 
 from __future__ import annotations

@@ -64,7 +64,8 @@ def pack_module(module: torch.nn.Module) -> torch.nn.Module:
         chunk.append(ts)
         size += ts[0].numel() * ts[0].element_size()
         if size >= CHUNK:
-            groups, chunk, size = [*groups, chunk], [], 0
+            groups.append(chunk)
+            chunk, size = [], 0
     for group in [*groups, chunk]:
         for ts, packed in zip(group, to_hugepages([ts[0] for ts in group])):
             if packed is not ts[0]:

@@ -81,7 +81,8 @@ def run_stage(stage: Stage, run_dir: Path, con: Console, force: bool = False) ->
         con.print(f"[{stage.name}] cached: finished earlier with the same settings "
                   f"({fmt_duration(done.get('elapsed_s', 0))}), skipped (rerun with --force to redo)")
         return done["summary"]
-    started = run_dir / "stages" / f"{stage.name}.started"  # a run that began and did not finish (JSON; not *.json, which are finished stages)
+    # a run that began and did not finish; not *.json, which name finished stages
+    started = run_dir / "stages" / f"{stage.name}.started"
     began = json.loads(started.read_text()) if started.exists() else None
     if force or done or (began and began.get("key") != key):
         # redo, or begun or finished with other settings: what it left cannot be resumed under these
