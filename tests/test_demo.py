@@ -14,6 +14,7 @@ from eyas.demo import RunConfig, stages_from_toml
 from eyas.log import Console
 from eyas.pipeline import Stage, run_stage
 from eyas.errors import EyasError
+from eyas.paths import shared_data_dir
 from test_report import SECTIONS, Page, check_numbers
 
 
@@ -26,6 +27,10 @@ def quick_run(tmp_path_factory) -> tuple[Path, str]:
     return runs / "demo-quick", proc.stderr
 
 
+needs_shared_data = pytest.mark.skipif(shared_data_dir() is None, reason="no shared data folder ($EYAS_SHARED_DATA or ../shared/data): the demo trains on GSM8K train")
+
+
+@needs_shared_data
 def test_quick_demo_runs_every_stage_and_reports_the_figures(quick_run):
     run_dir, err = quick_run
     for stage in ("regenerate-gsm8k", "regenerate-chitchat", "prepare", "extract", "train", "evaluate",
@@ -42,6 +47,7 @@ def test_quick_demo_runs_every_stage_and_reports_the_figures(quick_run):
     assert check_numbers(page, run_dir) > 20
 
 
+@needs_shared_data
 def test_second_run_skips_cached_stages(quick_run):
     run_dir, _ = quick_run
     proc = subprocess.run([sys.executable, "-m", "eyas", "demo", "--quick", "--runs-dir", str(run_dir.parent)],

@@ -9,6 +9,7 @@ import torch
 from eyas.errors import EyasError
 from eyas.evaluate import EvalConfig, load_bench
 from eyas.evaluate_report import method_figures
+from eyas.paths import shared_data_dir
 from speculate_helpers import trained_draft
 
 
@@ -20,9 +21,8 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.mark.skipif(shared_data_dir() is None, reason="no shared data folder ($EYAS_SHARED_DATA or ../shared/data)")
 def test_mt_bench_and_gsm8k_load_from_the_shared_data():
-    from eyas.paths import shared_data_dir
-
     items = load_bench("mt_bench")
     lines = [json.loads(x) for x in (shared_data_dir() / "mt_bench/question.jsonl").read_text().splitlines() if x]
     assert len(items) == len(lines) and all(len(i.turns) == 2 for i in items)
