@@ -151,6 +151,30 @@ def test_verify_names_a_flipped_byte_a_truncated_and_a_missing_shard(tmp_path):
     assert any(shards[2].name in p and "missing" in p for p in problems)
 
 
+def test_checksums_are_xxh3_and_stores_with_blake2b_checksums_still_check(tmp_path):
+    """New stores carry "xxh3:<hex>"; a store written before (bare blake2b-128 hex) reads and verifies as before."""
+    import hashlib
+
+    import xxhash
+
+    store = build_store(tmp_path / "s", samples(4), per_shard=4)
+    manifest = json.loads((store / "manifest.json").read_text())
+    reader = StoreReader(store)
+    for s in manifest["samples"]:
+        x = reader[manifest["samples"].index(s)]
+        raw = b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in (x.input_ids.int(), x.loss_mask,
+                                                                                        x.aux, x.final))
+        assert s["checksum"] == "xxh3:" + xxhash.xxh3_128(raw).hexdigest()
+        s["checksum"] = hashlib.blake2b(raw, digest_size=16).hexdigest()  # what the first eyas stores hold
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    legacy = StoreReader(store)
+    assert legacy.verify() == [] and torch.equal(legacy[1].aux, reader[1].aux)
+    flip_byte(store / SHARD_DIR / shard_name(0), (store / SHARD_DIR / shard_name(0)).stat().st_size - 1)
+    assert len(StoreReader(store).verify()) == 1
+    with pytest.raises(EyasError, match="id-3.*checksum differs"):
+        StoreReader(store)[3]
+
+
 def test_store_cli_info_and_verify(tmp_path, capsys):
     store = build_store(tmp_path / "s", samples(9))
     assert cli.main(["store", "info", str(store), "--json"]) == 0

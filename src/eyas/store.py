@@ -12,7 +12,8 @@ A shard holds, for its T tokens (H = the target's hidden size):
 
 Sample k of a shard is rows offset..offset+length. A shard's header metadata (`eyas`) repeats its own index
 (rows, ids, offsets, lengths, checksums), so a shard describes itself: a restart trusts what it finds.
-A checksum is blake2b-128 over the sample's bytes of every tensor, in `TENSORS` order.
+A checksum is xxh3-128 over the sample's bytes of every tensor, in `TENSORS` order, written "xxh3:<hex>" (a bare
+hex digest, from stores written before 2026-11-30, is blake2b-128 and still checks).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import xxhash
 
 from eyas.errors import EyasError
 
@@ -77,11 +79,31 @@ def dequantize_rows(q: torch.Tensor, exp: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------- safetensors files
 
-def checksum(parts: Sequence[torch.Tensor]) -> str:
-    h = hashlib.blake2b(digest_size=16)
+def _hasher(algorithm: str):
+    return xxhash.xxh3_128() if algorithm == "xxh3" else hashlib.blake2b(digest_size=16)
+
+
+def _digest(h, algorithm: str) -> str:
+    return f"{algorithm}:{h.hexdigest()}" if algorithm else h.hexdigest()
+
+
+def _algorithm(stored: str) -> str:
+    return stored.split(":", 1)[0] if ":" in stored else ""
+
+
+def _bytes(t: torch.Tensor):
+    return t.contiguous().view(torch.uint8).numpy().data
+
+
+def checksum(parts: Sequence[torch.Tensor], algorithm: str = "xxh3") -> str:
+    """The checksum of a sample's tensors, prefixed with its algorithm ("xxh3:..."; "" means blake2b, the first).
+
+    xxh3-128 runs at memory speed (about 50 GiB/s over data in cache, on one core) where blake2b runs at 1 GiB/s:
+    the reader checks each sample on its first read, and with blake2b that check cost more than the read."""
+    h = _hasher(algorithm)
     for t in parts:
-        h.update(t.contiguous().view(torch.uint8).numpy().data)
-    return h.hexdigest()
+        h.update(_bytes(t))
+    return _digest(h, algorithm)
 
 
 _DISK_FULL = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the disk quota is exceeded",
@@ -403,7 +425,8 @@ class StoreReader:
         t = self.shard(s["shard"]).t
         sl = slice(s["offset"], s["offset"] + s["length"])
         if self._unchecked is not None and self._unchecked[i]:
-            if checksum([t[n][sl] for n in TENSORS if n in t]) != s["checksum"]:
+            stored = s["checksum"]
+            if checksum([t[n][sl] for n in TENSORS if n in t], _algorithm(stored)) != stored:
                 raise EyasError(f"store {self.path}: shard {s['shard']}: sample {s['id']} (row {s['row']}) is "
                                 "corrupted (its checksum differs)", "the shard was damaged after it was written",
                                 f"`eyas store verify {self.path}` lists every damaged sample; delete the shards it "
@@ -446,6 +469,6 @@ class StoreReader:
             sl = slice(s["offset"], s["offset"] + s["length"])
             if sl.stop > rows:
                 problems.append(f"shard {name}: sample {s['id']} ends at row {sl.stop}, the shard has {rows}")
-            elif checksum([t[n][sl] for n in TENSORS if n in t]) != s["checksum"]:
+            elif checksum([t[n][sl] for n in TENSORS if n in t], _algorithm(s["checksum"])) != s["checksum"]:
                 problems.append(f"shard {name}: sample {s['id']} (row {s['row']}) is corrupted (checksum differs)")
         return problems
