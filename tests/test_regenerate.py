@@ -365,7 +365,7 @@ def test_second_writer_is_refused(servers, tmp_path):
     assert run(cfg(data, out, srv.url))["done"] == 2
 
 
-def test_max_prompt_tokens_skips_long_prompts_and_counts_them(local_tiny, tmp_path):
+def test_max_prompt_tokens_leaves_out_long_prompts_and_counts_them(local_tiny, tmp_path):
     from eyas.chat import ChatRenderer
 
     short, long_ = "Hi.", "Tell me " + "more and more " * 40
@@ -379,5 +379,6 @@ def test_max_prompt_tokens_skips_long_prompts_and_counts_them(local_tiny, tmp_pa
     summary = run(RegenerateConfig(data=(str(data),), out=str(out), target="tiny", max_new_tokens=3,
                                    max_prompt_tokens=40, quiet=True))
     assert [r["id"] for r in read_out(out)] == ["s"]
-    assert summary["failures"]["prompt-too-long"]["count"] == 1
-    assert f"{n_long} tokens exceed --max-prompt-tokens 40" in json.dumps(summary["failures"])
+    assert summary["failed"] == 0 and summary["failures"] == {}  # a choice, not a failure a rerun would retry
+    assert summary["left_out"] == 1 and summary["not_started"] == 0
+    assert f"{n_long} tokens exceed --max-prompt-tokens 40" in json.dumps(summary["left_out_reasons"])

@@ -45,7 +45,7 @@ class RegenerateConfig(StageConfig):
     top_p: float = opt(1.0, "nucleus sampling mass when sampling")
     seed: int = opt(0, "sampling seed")
     max_turns: int = opt(0, "answer only the first N user turns of a conversation, dropping the rest (0: all)")
-    max_prompt_tokens: int = opt(0, "local backend: skip prompts longer than N tokens, counted as prompt-too-long "
+    max_prompt_tokens: int = opt(0, "local backend: leave out prompts longer than N tokens, counted as left out "
                                  "(0: whatever fits the context with --max-new-tokens)")
     batch_size: int = opt(8, "local backend: conversations generated together")
     generator: str = opt("auto", "local backend: lean (batched decoder for Llama-family targets, fast on CPUs), hf "
@@ -82,6 +82,9 @@ class Reply:
     text: str
     tokens: int  # generated tokens (the server's usage count; 0 if it reports none)
     cut: bool  # stopped by --max-new-tokens rather than by the model
+
+
+LEFT_OUT = "over-max-prompt-tokens"  # a Failed reason that is a choice (--max-prompt-tokens), not a failure
 
 
 class Failed(Exception):
@@ -172,6 +175,7 @@ class Sink:
         self.file = open(out, "ab")
         self.bar = bar
         self.failures = Issues()
+        self.left_out = Issues()  # deliberately not answered (--max-prompt-tokens): not failures, never retried
         self.done = self.tokens = self.cut = self.failed_in_a_row = 0
         self.live = 0  # tokens generated so far, finished conversations or not (local backend)
         self.t0 = time.perf_counter()
@@ -188,8 +192,11 @@ class Sink:
         self._tick()
 
     def failed(self, conv: Conversation, e: Failed) -> None:
-        self.failures.add(e.reason, conv.where, e.detail)
-        self.failed_in_a_row += 1
+        if e.reason == LEFT_OUT:
+            self.left_out.add(e.reason, conv.where, e.detail)
+        else:
+            self.failures.add(e.reason, conv.where, e.detail)
+            self.failed_in_a_row += 1
         self._tick()
 
     def step(self, tokens: int) -> None:
@@ -255,10 +262,10 @@ class LocalBackend:
     def name(self) -> str:
         return self.target.name
 
-    def _too_long(self, n: int) -> str:
+    def _too_long(self, n: int) -> Failed:
         if self.cfg.max_prompt_tokens and n > self.cfg.max_prompt_tokens:
-            return f"{n} tokens exceed --max-prompt-tokens {self.cfg.max_prompt_tokens}"
-        return f"{n} tokens + --max-new-tokens {self.cfg.max_new_tokens} exceed the context"
+            return Failed(LEFT_OUT, f"{n} tokens exceed --max-prompt-tokens {self.cfg.max_prompt_tokens}")
+        return Failed("prompt-too-long", f"{n} tokens + --max-new-tokens {self.cfg.max_new_tokens} exceed the context")
 
     def generate(self, prompts: list[list[dict]]) -> list[Reply | Failed]:
         """One reply per prompt (a Failed for a prompt too long for the target's context)."""
@@ -266,7 +273,7 @@ class LocalBackend:
 
         ids = [self.renderer.prompt_ids(p) for p in prompts]
         ok = [i for i, x in enumerate(ids) if len(x) <= self.max_prompt]
-        out: list[Reply | Failed] = [Failed("prompt-too-long", self._too_long(len(x))) for x in ids]
+        out: list[Reply | Failed] = [self._too_long(len(x)) for x in ids]
         if not ok:
             return out
         if self.lean is not None:
@@ -414,7 +421,7 @@ def _run(cfg: RegenerateConfig, con, out: Path) -> dict:
         sink.close()
         bar.close()
     summary = _summary(cfg, backend, sink, issues, len(todo), skipped, stopped, time.perf_counter() - t0)
-    _report(con, summary, sink.failures, issues)
+    _report(con, summary, sink.failures, issues, sink.left_out)
     return summary
 
 
@@ -423,15 +430,19 @@ def _summary(cfg, backend, sink: Sink, issues: Issues, todo: int, skipped: int, 
         "out": cfg.out, "data": list(cfg.data), "backend": "server" if cfg.server else "local",
         "model": getattr(backend, "name", cfg.target), "to_do": todo, "done": sink.done, "skipped": skipped,
         "failed": sink.failures.total(), "failures": sink.failures.to_dict(), "input_issues": issues.to_dict(),
-        "not_started": todo - sink.done - sink.failures.total(), "stopped_early": stopped,
+        "left_out": sink.left_out.total(), "left_out_reasons": sink.left_out.to_dict(),
+        "not_started": todo - sink.done - sink.failures.total() - sink.left_out.total(), "stopped_early": stopped,
         "tokens": sink.tokens, "tokens_per_s": round(sink.tokens / max(elapsed, 1e-9), 2),
         "replies_cut_at_max_new_tokens": sink.cut, "elapsed_s": round(elapsed, 3),
     }
 
 
-def _report(con, s: dict, failures: Issues, issues: Issues) -> None:
+def _report(con, s: dict, failures: Issues, issues: Issues, left_out: Issues) -> None:
     if issues.counts:
         con.print("\n".join(["input records skipped:", *issues.lines()]))
+    if left_out.counts:
+        con.print("\n".join(["left out by --max-prompt-tokens (not written; a rerun leaves them out again):",
+                             *left_out.lines()]))
     if failures.counts:
         con.print("\n".join(["failed (not written; a rerun retries them):", *failures.lines()]), force=True)
     if s["stopped_early"]:
@@ -439,5 +450,7 @@ def _report(con, s: dict, failures: Issues, issues: Issues) -> None:
     if s["replies_cut_at_max_new_tokens"]:
         con.print(f"{fmt_int(s['replies_cut_at_max_new_tokens'])} replies stopped at --max-new-tokens")
     con.summary(f"regenerate: {fmt_int(s['done'])} done, {fmt_int(s['skipped'])} skipped (already done), "
-                f"{fmt_int(s['failed'])} failed, {fmt_int(s['tokens'])} tokens at {s['tokens_per_s']:.1f} tok/s, "
+                f"{fmt_int(s['failed'])} failed, "
+                + (f"{fmt_int(s['left_out'])} left out (--max-prompt-tokens), " if s["left_out"] else "")
+                + f"{fmt_int(s['tokens'])} tokens at {s['tokens_per_s']:.1f} tok/s, "
                 f"{fmt_duration(s['elapsed_s'])} -> {s['out']}")
