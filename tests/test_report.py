@@ -46,8 +46,8 @@ def regenerate(run: Path, r: str) -> None:
         (run / "regenerated" / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
         _marker(run, f"regenerate-{name}", "regenerate", {"target": "tiny", "out": out},
                 {"out": out, "data": [name], "backend": "local", "model": "tiny", "to_do": n, "done": n, "skipped": 0,
-                 "failed": 0, "failures": {}, "input_issues": {}, "not_started": 0, "stopped_early": "",
-                 "tokens": tokens, "tokens_per_s": 40.25, "replies_cut_at_max_new_tokens": 1, "elapsed_s": 20.2},
+                 "failed": 0, "failures": {}, "input_issues": {}, "left_out": 2, "left_out_reasons": {},
+                 "not_started": 0, "stopped_early": "", "tokens": tokens, "tokens_per_s": 40.25, "replies_cut_at_max_new_tokens": 1, "elapsed_s": 20.2},
                 20.9)
 
 
@@ -356,7 +356,7 @@ def test_key_figures_by_hand(demo):
     assert "215.1 MiB" in text["data"]  # 225,567,890 B / 2**20
     assert "519.7" in text["data"] and "97.31% of the loss-masked" in text["data"]
     assert "duplicate-content 50 a.jsonl:7" in text["data"] and "too-long 6 a.jsonl:99" in text["data"]
-    assert "regenerate-gsm8k 5 5 0 812 40.2 1 20 s" in text["data"]  # 5 lines in regenerated/gsm8k.jsonl
+    assert "regenerate-gsm8k 5 5 0 2 812 40.2 1 20 s" in text["data"]  # 5 lines in regenerated/gsm8k.jsonl
     assert "rank 0: 586 · rank 1: 586" in text["plan"] and "1,758 in this run" in text["plan"]
     assert "16.7 min, against 33.5 min if not sharded" in text["plan"]  # 1004.57 s, 2009.14 s
     assert "audit passed" in text["plan"] and "each of the epochs 1, 2, 3" in text["plan"]

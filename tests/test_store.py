@@ -173,6 +173,13 @@ def test_checksums_are_xxh3_and_stores_with_blake2b_checksums_still_check(tmp_pa
     assert len(StoreReader(store).verify()) == 1
     with pytest.raises(EyasError, match="id-3.*checksum differs"):
         StoreReader(store)[3]
+    manifest["samples"][0]["checksum"] = None  # a damaged manifest: a problem named, not a TypeError
+    manifest["samples"][1]["checksum"] = "sha256:" + "0" * 64  # a newer eyas's algorithm: refused, never "corrupted"
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(EyasError, match="id-0.*checksum differs"):
+        StoreReader(store)[0]
+    with pytest.raises(EyasError, match="(?s)algorithm .sha256.*upgrade eyas"):
+        StoreReader(store)[1]
 
 
 def test_store_cli_info_and_verify(tmp_path, capsys):

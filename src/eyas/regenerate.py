@@ -441,7 +441,7 @@ def _report(con, s: dict, failures: Issues, issues: Issues, left_out: Issues) ->
     if issues.counts:
         con.print("\n".join(["input records skipped:", *issues.lines()]))
     if left_out.counts:
-        con.print("\n".join(["left out by --max-prompt-tokens (not written; a rerun leaves them out again):",
+        con.print("\n".join(["left out by --max-prompt-tokens (not written; a rerun checks their length again):",
                              *left_out.lines()]))
     if failures.counts:
         con.print("\n".join(["failed (not written; a rerun retries them):", *failures.lines()]), force=True)

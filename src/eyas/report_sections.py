@@ -126,17 +126,17 @@ def _regenerated(f: RunFiles) -> str:
         lines = num(f.line_count(path), f"{f.name(path)}#lines") if path else "–"
         s = lambda k, fmt=",.0f": m.num("summary", k, fmt=fmt)  # noqa: E731
         rows.append([f"<code>{esc(name)}</code>", lines, s("done"),
-                     s("failed"), s("tokens"), s("tokens_per_s", ",.1f"), s("replies_cut_at_max_new_tokens"),
+                     s("failed"), s("left_out"), s("tokens"), s("tokens_per_s", ",.1f"), s("replies_cut_at_max_new_tokens"),
                      m.seconds("summary", "elapsed_s")])
     if not rows:  # no markers: the files alone
-        rows = [[f"<code>{esc(p.name)}</code>", num(f.line_count(p), f"{f.name(p)}#lines")] + ["–"] * 6
+        rows = [[f"<code>{esc(p.name)}</code>", num(f.line_count(p), f"{f.name(p)}#lines")] + ["–"] * 7
                 for p in sorted((f.root / "regenerated").glob("*.jsonl"))]
     if not rows:
         return "<h3>Regenerated answers</h3>" + not_run("no regenerate stage and no <code>regenerated/*.jsonl</code>")
     return ("<h3>Regenerated answers</h3><p>The target wrote its own answers to the training prompts, so the draft "
             "learns to predict what this target says.</p>"
-            + table(["stage", "conversations in file", "done this run", "failed", "tokens generated", "tokens/s",
-                     "cut at max tokens", "wall time"], rows, numeric=range(1, 8)))
+            + table(["stage", "conversations in file", "done this run", "failed", "left out (--max-prompt-tokens)",
+                     "tokens generated", "tokens/s", "cut at max tokens", "wall time"], rows, numeric=range(1, 9)))
 
 
 def _prepared(d: Loaded) -> str:

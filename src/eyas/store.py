@@ -87,8 +87,16 @@ def _digest(h, algorithm: str) -> str:
     return f"{algorithm}:{h.hexdigest()}" if algorithm else h.hexdigest()
 
 
-def _algorithm(stored: str) -> str:
-    return stored.split(":", 1)[0] if ":" in stored else ""
+def matches(parts: Sequence[torch.Tensor], stored) -> bool:
+    """Whether `parts` hash to the manifest's `stored` checksum, with the algorithm it names (False when `stored`
+    is not a checksum at all: a damaged manifest)."""
+    if not isinstance(stored, str):
+        return False
+    algorithm = stored.split(":", 1)[0] if ":" in stored else ""
+    if algorithm not in ("", "xxh3"):
+        raise EyasError(f"a store checksum uses the algorithm {algorithm!r}, which this eyas does not know",
+                        "the store was written by a newer eyas", "upgrade eyas to read it")
+    return checksum(parts, algorithm) == stored
 
 
 def _bytes(t: torch.Tensor):
@@ -425,8 +433,7 @@ class StoreReader:
         t = self.shard(s["shard"]).t
         sl = slice(s["offset"], s["offset"] + s["length"])
         if self._unchecked is not None and self._unchecked[i]:
-            stored = s["checksum"]
-            if checksum([t[n][sl] for n in TENSORS if n in t], _algorithm(stored)) != stored:
+            if not matches([t[n][sl] for n in TENSORS if n in t], s["checksum"]):
                 raise EyasError(f"store {self.path}: shard {s['shard']}: sample {s['id']} (row {s['row']}) is "
                                 "corrupted (its checksum differs)", "the shard was damaged after it was written",
                                 f"`eyas store verify {self.path}` lists every damaged sample; delete the shards it "
@@ -469,6 +476,6 @@ class StoreReader:
             sl = slice(s["offset"], s["offset"] + s["length"])
             if sl.stop > rows:
                 problems.append(f"shard {name}: sample {s['id']} ends at row {sl.stop}, the shard has {rows}")
-            elif checksum([t[n][sl] for n in TENSORS if n in t], _algorithm(s["checksum"])) != s["checksum"]:
+            elif not matches([t[n][sl] for n in TENSORS if n in t], s["checksum"]):
                 problems.append(f"shard {name}: sample {s['id']} (row {s['row']}) is corrupted (checksum differs)")
         return problems
