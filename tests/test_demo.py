@@ -105,3 +105,48 @@ def test_a_stage_that_failed_is_cleared_when_rerun_with_other_settings(tmp_path)
     run_stage(fixed, run, Console(quiet=True))  # other settings: the partial output cannot be resumed, so it goes
     assert not (run / "train").exists() and (run / "stages" / "plan.json").is_file()
     assert not (run / "stages" / "plan.started").exists()
+
+
+def test_a_stage_reruns_when_a_stage_it_reads_ran_again(tmp_path, monkeypatch):
+    """train's settings change -> train reruns, and so do evaluate and report (they read its output, their own
+    settings are the same); a stage that reads nothing train wrote stays cached. The markers, not the settings,
+    say which output is newer."""
+    import dataclasses
+
+    import eyas.cli
+    from eyas.pipeline import reads, run_pipeline
+
+    ran = []
+
+    @dataclasses.dataclass(frozen=True)
+    class Fake:
+        out: str = ""
+        data: str = ""
+        lr: float = 0.0
+
+    def run(cfg):
+        ran.append(cfg.out)
+        return {}
+
+    monkeypatch.setattr(eyas.cli, "load_stage", lambda command: (Fake, run))
+    monkeypatch.setattr("eyas.pipeline.to_argv", lambda cfg: [])
+    r = tmp_path / "run"
+
+    def stages(lr):
+        return [Stage("prepare", "prepare", {"out": f"{r}/prepared"}),
+                Stage("train", "train", {"data": f"{r}/prepared", "out": f"{r}/train", "lr": lr}),
+                Stage("evaluate", "evaluate", {"data": f"{r}/train/final", "out": f"{r}/eval"}),
+                Stage("other", "evaluate", {"data": f"{r}/prepared", "out": f"{r}/other"}),
+                Stage("report", "report", {"data": str(r), "out": f"{r}/report"})]
+
+    assert [u.name for u in stages(1)[:2] if reads(stages(1)[2], u)] == ["train"]
+    run_pipeline(stages(1.0), r, Console(quiet=True))
+    assert len(ran) == 5
+    ran.clear()
+    run_pipeline(stages(1.0), r, Console(quiet=True))
+    assert ran == []  # all cached
+    run_pipeline(stages(2.0), r, Console(quiet=True))
+    assert ran == [f"{r}/train", f"{r}/eval", f"{r}/report"]
+    ran.clear()
+    run_pipeline(stages(2.0), r, Console(quiet=True))
+    assert ran == []

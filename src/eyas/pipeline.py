@@ -2,7 +2,9 @@
 
 A run is one folder `runs/<name>/`: each stage's output, `stages/<stage>.json` (its settings, summary and
 wall time: the proof a stage finished), logs, metrics and the report. A stage whose marker holds the same
-settings is skipped and says so; change a setting (or pass --force) and it runs again.
+settings is skipped and says so; change a setting (or pass --force) and it runs again. So does a stage whose
+input an earlier stage rewrote since: B reads A's output when one of B's path settings and A's output path
+(`out`; `store` for extract) are the same path or one holds the other, and B is stale when A finished after B.
 """
 
 from __future__ import annotations
@@ -39,6 +41,28 @@ def settings_key(stage: Stage) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+OUTPUT_KEYS = {"extract": ("store",)}  # the settings naming what a command writes (default: `out`)
+
+
+def outputs(stage: Stage) -> list[Path]:
+    keys = OUTPUT_KEYS.get(stage.command, ("out",))
+    return [Path(stage.settings[k]).resolve() for k in keys if isinstance(stage.settings.get(k), str)]
+
+
+def reads(later: Stage, earlier: Stage) -> bool:
+    """Whether `later` reads what `earlier` writes: one of its other path-like settings and `earlier`'s output
+    are the same path, or one holds the other (a checkpoint inside a run folder, a run folder holding a store)."""
+    mine = set(OUTPUT_KEYS.get(later.command, ("out",)))
+    values = [v for k, v in later.settings.items() if k not in mine]
+    paths = [Path(x).resolve() for v in values for x in (v if isinstance(v, (list, tuple)) else [v])
+             if isinstance(x, str) and os.sep in x]
+    return any(a == o or a.is_relative_to(o) or o.is_relative_to(a) for a in paths for o in outputs(earlier))
+
+
+def _finished(marker: Path, done: dict) -> float:
+    return done.get("finished") or marker.stat().st_mtime  # markers written before "finished": the file's time
+
+
 def _summary_file(stage: Stage, cfg) -> Path:
     """Where a torchrun stage's rank 0 writes its summary (the console shows the human lines meanwhile)."""
     if stage.command == "train":
@@ -71,22 +95,28 @@ def _launch_torchrun(stage: Stage, cfg, log_path: Path, con: Console) -> dict:
     return json.loads(summary_path.read_text(encoding="utf-8"))
 
 
-def run_stage(stage: Stage, run_dir: Path, con: Console, force: bool = False) -> dict:
+def run_stage(stage: Stage, run_dir: Path, con: Console, force: bool = False, upstream: tuple[Stage, ...] = ()) -> dict:
+    """Run one stage, or skip it when it finished with the same settings after every stage in `upstream` (those
+    whose output it reads) finished."""
     from eyas.cli import load_stage
 
     marker = run_dir / "stages" / f"{stage.name}.json"
     key = settings_key(stage)
     done = json.loads(marker.read_text()) if marker.exists() else None
-    if done and done.get("key") == key and not force:
+    newer = [u.name for u in upstream if done and (m := run_dir / "stages" / f"{u.name}.json").exists()
+             and _finished(m, json.loads(m.read_text())) > _finished(marker, done)]
+    if done and done.get("key") == key and not force and not newer:
         con.print(f"[{stage.name}] cached: finished earlier with the same settings "
                   f"({fmt_duration(done.get('elapsed_s', 0))}), skipped (rerun with --force to redo)")
         return done["summary"]
+    if done and done.get("key") == key and newer:
+        con.print(f"[{stage.name}] its input changed: {', '.join(newer)} finished after it; running it again")
     # a run that began and did not finish; not *.json, which name finished stages
     started = run_dir / "stages" / f"{stage.name}.started"
     began = json.loads(started.read_text()) if started.exists() else None
     if force or done or (began and began.get("key") != key):
         # redo, or begun or finished with other settings: what it left cannot be resumed under these
-        _clear(stage, run_dir, con, "--force" if force else "settings changed")
+        _clear(stage, run_dir, con, "--force" if force else "input changed" if newer else "settings changed")
     write_json(started, {"key": key})
     cls, run = load_stage(stage.command)
     cfg = from_mapping(cls, stage.settings, f"stage {stage.name}")
@@ -98,7 +128,7 @@ def run_stage(stage: Stage, run_dir: Path, con: Console, force: bool = False) ->
         summary = run(cfg)
     elapsed = time.perf_counter() - t0
     write_json(marker, {"key": key, "command": stage.command, "settings": stage.settings, "nproc": stage.nproc,
-                        "summary": summary, "elapsed_s": elapsed})
+                        "summary": summary, "elapsed_s": elapsed, "finished": time.time()})
     started.unlink(missing_ok=True)
     return summary
 
@@ -120,4 +150,5 @@ def run_pipeline(stages: list[Stage], run_dir: Path, con: Console, force: bool =
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
     write_json(run_dir / "pipeline.json", [dataclasses.asdict(s) for s in stages])
-    return {s.name: run_stage(s, run_dir, con, force) for s in stages}
+    return {s.name: run_stage(s, run_dir, con, force, tuple(u for u in stages[:i] if reads(s, u)))
+            for i, s in enumerate(stages)}
