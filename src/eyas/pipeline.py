@@ -59,8 +59,12 @@ def reads(later: Stage, earlier: Stage) -> bool:
     return any(a == o or a.is_relative_to(o) or o.is_relative_to(a) for a in paths for o in outputs(earlier))
 
 
-def _finished(marker: Path, done: dict) -> float:
-    return done.get("finished") or marker.stat().st_mtime  # markers written before "finished": the file's time
+def _finished(marker: Path) -> float:
+    """When the stage of `marker` finished (markers written before "finished" was kept: the file's time; 0 when
+    it never finished)."""
+    if not marker.exists():
+        return 0.0
+    return json.loads(marker.read_text()).get("finished") or marker.stat().st_mtime
 
 
 def _summary_file(stage: Stage, cfg) -> Path:
@@ -103,13 +107,14 @@ def run_stage(stage: Stage, run_dir: Path, con: Console, force: bool = False, up
     marker = run_dir / "stages" / f"{stage.name}.json"
     key = settings_key(stage)
     done = json.loads(marker.read_text()) if marker.exists() else None
-    newer = [u.name for u in upstream if done and (m := run_dir / "stages" / f"{u.name}.json").exists()
-             and _finished(m, json.loads(m.read_text())) > _finished(marker, done)]
-    if done and done.get("key") == key and not force and not newer:
+    same = bool(done) and done.get("key") == key
+    mine = _finished(marker) if same else 0.0
+    newer = [u.name for u in upstream if same and _finished(run_dir / "stages" / f"{u.name}.json") > mine]
+    if same and not force and not newer:
         con.print(f"[{stage.name}] cached: finished earlier with the same settings "
                   f"({fmt_duration(done.get('elapsed_s', 0))}), skipped (rerun with --force to redo)")
         return done["summary"]
-    if done and done.get("key") == key and newer:
+    if same and newer:
         con.print(f"[{stage.name}] its input changed: {', '.join(newer)} finished after it; running it again")
     # a run that began and did not finish; not *.json, which name finished stages
     started = run_dir / "stages" / f"{stage.name}.started"
