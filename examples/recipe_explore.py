@@ -23,6 +23,10 @@ import time
 import tomllib
 from pathlib import Path
 
+from eyas.config import from_mapping, to_argv
+from eyas.demo import stages_from_toml
+from eyas.train import TrainConfig
+
 RECIPE = Path(__file__).with_name("smollm2-recipe.toml")
 
 # Stores besides the recipe's own: name -> (`eyas prepare` flags, or None to extract the recipe's prepared data;
@@ -33,7 +37,8 @@ STORES = {
     "gsm8k-human": (["--data", "gsm8k-train", "--max-samples", "512"], []),
 }
 
-# name: (what changes, benchmark, the `eyas train` settings it changes; None drops the recipe's setting)
+# name: (what changes, benchmark, the `eyas train` settings it changes; None drops the recipe's setting;
+# "{run}" and "{x}" are filled in)
 ROWS = {
     "ttt5": ("the recipe's settings (TTT 5, decay 0.8, vocabulary 8,192, bf16 store)", "mt_bench", {}),
     "ttt1": ("TTT 1 (no training-time test)", "mt_bench", {"ttt_steps": 1}),
@@ -54,27 +59,20 @@ ROWS = {
 EVAL = {"mt_bench": ["--per-category", "1", "--num-prompts", "0"], "gsm8k": ["--num-prompts", "10"]}
 
 
-def recipe_settings(recipe: Path) -> tuple[dict, int]:
-    """The recipe's [train] settings that every row shares, and its torchrun process count."""
-    cfg = tomllib.loads(recipe.read_text())["train"]
-    nproc = int(cfg.pop("nproc", 1))
-    for key in ("resume", "checkpoint_every", "out", "epochs"):
-        cfg.pop(key, None)
-    return cfg, nproc
+def recipe_settings(recipe: Path, run: Path) -> tuple[dict, int]:
+    """The recipe's [train] settings ({run} filled in, as `eyas run` does) that every row shares, and its torchrun
+    process count."""
+    stage = next(s for s in stages_from_toml(tomllib.loads(recipe.read_text()), run, str(recipe))
+                 if s.command == "train")
+    drop = ("resume", "checkpoint_every", "out", "epochs")
+    return {k: v for k, v in stage.settings.items() if k not in drop}, stage.nproc
 
 
-def flags(settings: dict, fill: dict) -> list[str]:
-    """`eyas` command-line flags of `settings` (None: left out), with {run} and {x} filled in."""
-    out = []
-    for key, value in settings.items():
-        flag = "--" + key.replace("_", "-")
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            out.append(flag if value else "--no-" + key.replace("_", "-"))
-        else:
-            out += [flag, str(value).format(**fill)]
-    return out
+def train_argv(settings: dict, fill: dict) -> list[str]:
+    """`eyas train` arguments of `settings` (None: the setting left at its default; "{run}", "{x}" filled in),
+    generated from TrainConfig as the CLI is."""
+    clean = {k: v.format(**fill) if isinstance(v, str) else v for k, v in settings.items() if v is not None}
+    return to_argv(from_mapping(TrainConfig, clean, "recipe_explore"))
 
 
 def sh(cmd: list[str], log: Path) -> float:
@@ -113,7 +111,7 @@ def main() -> None:
     run = Path(args.run).resolve()
     x = run / f"explore-e{args.epochs}"
     x.mkdir(exist_ok=True)
-    base, nproc = recipe_settings(Path(args.recipe))
+    base, nproc = recipe_settings(Path(args.recipe), run)
     fill = {"run": run, "x": x}
     walls = json.loads((x / "walls.json").read_text()) if (x / "walls.json").is_file() else {}
     for row in args.rows:
@@ -121,17 +119,17 @@ def main() -> None:
         if (out / "final").is_dir():
             print(f"{row}: trained before ({out}/final), kept")
             continue
-        settings = {**base, "epochs": args.epochs, **ROWS[row][2], "out": str(out)}
+        settings = {**base, "epochs": args.epochs, **ROWS[row][2], "out": str(out), "quiet": True}
         store = str(settings.get("store") or "")
         if store.startswith("{x}/store-"):
             make_store(store.removeprefix("{x}/store-"), run, x, fill)
         if settings.get("max_steps") == "HALF":  # half of one epoch of the reference row
             settings["max_steps"] = json.loads((x / "ttt5" / "plan.json").read_text())["steps_per_epoch_actual"][0] // 2
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "-m", "eyas.train",
-               *flags(settings, fill), "--quiet"]
+               *train_argv(settings, fill)]
         walls[row] = round(sh(cmd, x / f"{row}.log"), 1)
         (x / "walls.json").write_text(json.dumps(walls, indent=1))
-    lines = [f"every row's flags unless it says otherwise: {' '.join(flags(base, fill))} --epochs {args.epochs}", ""]
+    lines = [f"every row's flags unless it says otherwise: {' '.join(train_argv(base, fill))} --epochs {args.epochs}", ""]
     for bench in EVAL:
         rows = [r for r in args.rows if ROWS[r][1] == bench and (x / r / "final").is_dir()]
         if rows:
