@@ -110,9 +110,10 @@ def test_sigkill_and_resume_gives_the_same_losses(tiny_target, tmp_path):
               checkpoint_every=3, val_fraction=0.2, lr=1e-2)
     args = [a for k, v in kw.items() for a in ("--" + k.replace("_", "-"), str(v))]
     out = tmp_path / "killed"
+    # Not overlapped with the uninterrupted run: had this process got past step 12 meanwhile, step 6's checkpoint
+    # would be pruned (--keep-checkpoints 3) before the loop below looked for it.
     proc = subprocess.Popen([sys.executable, "-m", "eyas.train", *args, "--out", str(out), "--quiet"],
                             stderr=subprocess.PIPE)
-    run(TrainConfig(quiet=True, out=str(tmp_path / "whole"), **kw))  # the uninterrupted run, meanwhile
     deadline = time.time() + 180
     while not (out / "checkpoints" / "step-00000006").is_dir():
         assert proc.poll() is None and time.time() < deadline, proc.stderr.read().decode()[-2000:]
@@ -121,6 +122,7 @@ def test_sigkill_and_resume_gives_the_same_losses(tiny_target, tmp_path):
     proc.wait()
     done = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines() if x.endswith("}")]
     assert 6 <= max(done) < 30  # killed mid-run (19 training samples / 2 = 10 steps per epoch, 3 epochs)
+    run(TrainConfig(quiet=True, out=str(tmp_path / "whole"), **kw))  # the uninterrupted run
     summary = run(TrainConfig(quiet=True, out=str(out), resume=True, **kw))
     whole = [json.loads(x) for x in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
     resumed = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

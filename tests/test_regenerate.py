@@ -267,7 +267,7 @@ def test_torn_last_line_is_dropped_and_corrupt_middle_refused(tmp_path):
 
 
 def test_sigkill_then_rerun_resumes_without_duplicates_or_gaps(servers, tmp_path):
-    srv = servers(delay=0.05)
+    srv = servers(delay=0.15)  # 30 prompts, 2 at a time: 2.2 s, a wide window for the kill to land mid-run
     data, out = make_data(tmp_path, 30), tmp_path / "out.jsonl"
     cmd = [sys.executable, "-m", "eyas", "regenerate", "--server", srv.url, "--data", str(data), "--out", str(out),
            "--concurrency", "2", "--quiet"]
