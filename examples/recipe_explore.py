@@ -10,7 +10,9 @@ domain they teach. The table it prints gives each row's change, training time an
     python examples/recipe_explore.py --run runs/smollm2-recipe    # then: every row, then the evaluations
     python examples/recipe_explore.py --run runs/smollm2-recipe --rows ttt5 ttt1 ttt3 --epochs 2
 
-Rows already trained (their final/ exists) are kept, so an interrupted exploration resumes.
+Rows already trained (their final/ exists) are kept, so an interrupted exploration resumes. Each run evaluates
+and tabulates the rows it is given: its evaluate-BENCH/ folders and table.md replace the previous run's (copy
+them first to keep both; give the reference row in every run, its tau reproduces exactly).
 """
 
 from __future__ import annotations
