@@ -24,6 +24,16 @@ def smollm2_tokenizer():
     return load_tokenizer("smollm2-135m")
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module's tests (`pytestmark = pytest.mark.usefixtures("one_thread")`): tiny models
+    gain nothing from threads, and on a shared 2-core machine OpenMP's barriers make two several times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     random.seed(0)

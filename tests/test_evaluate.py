@@ -4,21 +4,14 @@ tiny target through the CLI."""
 import json
 
 import pytest
-import torch
+from speculate_helpers import trained_draft
 
 from eyas.errors import EyasError
 from eyas.evaluate import EvalConfig, load_bench
 from eyas.evaluate_report import method_figures
 from eyas.paths import shared_data_dir
-from speculate_helpers import trained_draft
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.skipif(shared_data_dir() is None, reason="no shared data folder ($EYAS_SHARED_DATA or ../shared/data)")

@@ -3,24 +3,32 @@ brute-force tree ancestry, hand-made acceptance traces, and the target's distrib
 
 import pytest
 import torch
-
-from eyas.speculate import (Proposal, acceptance_stats, first_divergence, plain_generate, speculative_generate,
-                            tree_mask, verify_greedy, verify_sampling)
-from eyas.speculate_drafters import (Controller, Eagle3Drafter, OracleDrafter, PromptLookupDrafter, TreeShape,
-                                     quantize_int8)
-from eyas.speculate_target import HFRunner, LeanRunner, attention_mask
 from speculate_helpers import random_prompts, trained_draft, untrained_draft
+
+from eyas.speculate import (
+    Proposal,
+    acceptance_stats,
+    first_divergence,
+    plain_generate,
+    speculative_generate,
+    tree_mask,
+    verify_greedy,
+    verify_sampling,
+)
+from eyas.speculate_drafters import (
+    Controller,
+    Eagle3Drafter,
+    OracleDrafter,
+    PromptLookupDrafter,
+    TreeShape,
+    quantize_int8,
+)
+from eyas.speculate_target import HFRunner, LeanRunner, attention_mask
 
 NEW = 32
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on a busy machine two threads wait on each other."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def hf_greedy(target, prompt, n):

@@ -17,13 +17,7 @@ from eyas.store import StoreReader
 from eyas.store_import import StoreImportConfig, run, target_parts
 from eyas.target import load_target
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
