@@ -43,7 +43,19 @@ def test_quick_demo_runs_every_stage_and_reports_the_figures(quick_run):
     assert audit["disjoint"] is True and audit["covers"] is True and audit["world_size"] == 2
     page = Page((run_dir / "report.html").read_text(encoding="utf-8"))
     assert {k: v["status"] for k, v in page.sections.items()} == {s: "ok" for s in SECTIONS[1:]}  # [0]: the card
-    assert len(page.kpis) >= 3 and page.drafted  # summary card; accepted draft tokens highlighted
+    assert len(page.kpis) >= 3  # the summary card
+    # highlighted: exactly the draft tokens evaluate recorded as accepted in the three generations shown. How many
+    # there are depends on the adaptive controller, which drafts only where the measured timings say it pays: on a
+    # busy machine it may draft nothing at all in these few tokens, so "some are highlighted" cannot be asserted.
+    results = json.loads((run_dir / "evaluate" / "results.json").read_text())
+    assert results["samples"] and all(s["accepted"] for s in results["samples"])
+    want = []
+    for s in results["samples"][:3]:
+        pos = 1  # pieces[0] comes from the prompt's forward; then each round: its accepted tokens, the target's own
+        for a in s["accepted"]:
+            want += s["pieces"][pos:pos + a]
+            pos += a + 1
+    assert page.drafted == [p for p in want if p]
     assert check_numbers(page, run_dir) > 20
 
 
