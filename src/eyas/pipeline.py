@@ -44,27 +44,30 @@ def settings_key(stage: Stage) -> str:
 OUTPUT_KEYS = {"extract": ("store",)}  # the settings naming what a command writes (default: `out`)
 
 
+def _output_keys(stage: Stage) -> tuple[str, ...]:
+    return OUTPUT_KEYS.get(stage.command, ("out",))
+
+
 def outputs(stage: Stage) -> list[Path]:
-    keys = OUTPUT_KEYS.get(stage.command, ("out",))
-    return [Path(stage.settings[k]).resolve() for k in keys if isinstance(stage.settings.get(k), str)]
+    return [Path(stage.settings[k]).resolve() for k in _output_keys(stage) if isinstance(stage.settings.get(k), str)]
 
 
 def reads(later: Stage, earlier: Stage) -> bool:
     """Whether `later` reads what `earlier` writes: one of its other path-like settings and `earlier`'s output
     are the same path, or one holds the other (a checkpoint inside a run folder, a run folder holding a store)."""
-    mine = set(OUTPUT_KEYS.get(later.command, ("out",)))
+    mine = set(_output_keys(later))
     values = [v for k, v in later.settings.items() if k not in mine]
     paths = [Path(x).resolve() for v in values for x in (v if isinstance(v, (list, tuple)) else [v])
              if isinstance(x, str) and os.sep in x]
     return any(a == o or a.is_relative_to(o) or o.is_relative_to(a) for a in paths for o in outputs(earlier))
 
 
-def _finished(marker: Path) -> float:
-    """When the stage of `marker` finished (markers written before "finished" was kept: the file's time; 0 when
-    it never finished)."""
+def _finished(marker: Path, done: dict | None = None) -> float:
+    """When the stage of `marker` (its content `done`, when already read) finished (markers written before
+    "finished" was kept: the file's time; 0 when it never finished)."""
     if not marker.exists():
         return 0.0
-    return json.loads(marker.read_text()).get("finished") or marker.stat().st_mtime
+    return (done if done is not None else json.loads(marker.read_text())).get("finished") or marker.stat().st_mtime
 
 
 def _summary_file(stage: Stage, cfg) -> Path:
@@ -108,7 +111,7 @@ def run_stage(stage: Stage, run_dir: Path, con: Console, force: bool = False, up
     key = settings_key(stage)
     done = json.loads(marker.read_text()) if marker.exists() else None
     same = bool(done) and done.get("key") == key
-    mine = _finished(marker) if same else 0.0
+    mine = _finished(marker, done) if same else 0.0
     newer = [u.name for u in upstream if same and _finished(run_dir / "stages" / f"{u.name}.json") > mine]
     if same and not force and not newer:
         con.print(f"[{stage.name}] cached: finished earlier with the same settings "
