@@ -11,9 +11,12 @@
    beside it: on a machine without a spare core the writer thread's work cannot hide, and that figure says what
    it costs.
 2. random-sample reads / sequential reads of the same bytes from the page cache             (goal >= 0.8)
-   random = `StoreReader(store)[i]` in a shuffled order, each sample's tensors copied into a batch buffer (what a
-   collate does), its checksum checked on its first read; sequential = the shard files read front to back with
-   readinto, after one warming read. Both on one thread, both counting the bytes stored.
+   random = `StoreReader.read_into` of every sample in a shuffled order into a batch buffer; sequential = the
+   shard files read front to back with readinto, after one warming read. Both on one thread, both counting the
+   bytes stored, neither checking them. Beside it, each over 5 passes: the same reads with every sample's
+   checksum checked on its first read (the reader's default, the cost of a run's first epoch); the
+   memory-mapped views `reader[i]` copied instead (the reader's first design); and the trainer's own packed
+   micro-batches (`load_micro_batch`, checked, with its allocation, padding and position ids).
 3. bytes per token of the bf16 and the compact store / the 8H reference (3 feature layers + final, bf16)
 
     python bench/bench_extract.py                           # SmolLM2-135M on 240 GSM8K conversations
@@ -43,8 +46,10 @@ from eyas.extract import (
     tune_allocator,
 )
 from eyas.extract import run as extract
+from eyas.sharding import ShardSpec, shard_epoch
 from eyas.store import SHARD_DIR, StoreReader, bytes_per_token
 from eyas.target import load_target
+from eyas.train_data import load_micro_batch
 
 
 def prepared_dataset(args, out: Path) -> Path:
@@ -104,26 +109,48 @@ def read_sequential(files: list[Path], passes: int, chunk: int = 8 << 20) -> tup
     return time.perf_counter() - t0, total
 
 
-def read_random(store: Path, passes: int, seed: int, shuffle: bool = True) -> tuple[float, int]:
-    """(seconds, bytes) of `passes` shuffled passes over the samples, copying each into a batch buffer.
+def read_random(store: Path, passes: int, seed: int, shuffle: bool = True, check: bool = False,
+                mapped: bool = False) -> tuple[float, int]:
+    """(seconds, bytes) of `passes` shuffled passes over the samples, each read into a batch buffer.
 
-    With shuffle=False the samples are read in store order: the same code path, minus the randomness."""
+    The default reads as the trainer does (`StoreReader.read_into`: the kernel's copy) and, like the sequential
+    reads, checks nothing; check=True also checks each sample's checksum on its first read (the reader's
+    default); mapped=True copies the memory-mapped views `reader[i]` returns instead. shuffle=False reads the
+    samples in store order: the same code path, minus the randomness."""
     t0 = time.perf_counter()
-    reader = StoreReader(store)  # opening (manifest, mmaps) is part of the cost
+    reader = StoreReader(store, check_reads=check)  # opening (manifest, headers) is part of the cost
     L, H = int(reader.lengths.max()), reader.hidden_size
-    bufs = {"input_ids": torch.empty(L, dtype=torch.int64), "loss_mask": torch.empty(L, dtype=torch.int8),
-            "aux": torch.empty(L, 3 * H, dtype=torch.bfloat16), "final": torch.empty(L, H, dtype=torch.bfloat16)}
+    bufs = {n: torch.empty(L, *shape, dtype=dt) for n, (dt, shape) in reader.row_specs.items()}
+    views = {n: t.view(torch.uint8).numpy().reshape(-1) for n, t in bufs.items()}
     rng, total = random.Random(seed), 0
     for _ in range(passes):
         order = list(range(len(reader)))
         if shuffle:
             rng.shuffle(order)
         for i in order:
-            s = reader[i]
-            n = len(s.input_ids)
-            for name, buf in bufs.items():
-                buf[:n].copy_(getattr(s, name))
+            if mapped:
+                s = reader[i]
+                n = len(s.input_ids)
+                for name in ("aux", "final", "loss_mask"):
+                    bufs[name][:n].copy_(getattr(s, name))
+                bufs["input_ids"][:n].copy_(s.input_ids)
+            else:
+                n = reader.read_into(i, views)
             total += n * (4 + 1 + 8 * H)  # the bytes stored: int32 ids, int8 mask, 4 x H bf16 features
+    return time.perf_counter() - t0, total
+
+
+def read_batches(store: Path, passes: int, max_tokens: int) -> tuple[float, int]:
+    """(seconds, bytes) of the trainer's own micro-batches (`load_micro_batch`) over `passes` epochs of one rank,
+    samples packed into rows of `max_tokens` as `eyas train --max-tokens` packs them: the reads, plus the
+    batch's allocation, padding, widened ids, positions and document ids."""
+    t0 = time.perf_counter()
+    reader = StoreReader(store)
+    spec = ShardSpec(world_size=1, max_tokens=max_tokens)
+    total = 0
+    for epoch in range(passes):
+        for micro in shard_epoch(reader.lengths, epoch, 0, spec).micro_batches:
+            total += load_micro_batch(reader, micro).tokens * (4 + 1 + 8 * reader.hidden_size)
     return time.perf_counter() - t0, total
 
 
@@ -133,9 +160,10 @@ def main() -> None:
     ap.add_argument("--data", default="", help="a prepared dataset; default: the first --samples of GSM8K train")
     ap.add_argument("--samples", type=int, default=240)
     ap.add_argument("--shard-mb", type=float, default=32.0, help="eyas extract --shard-mb")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5, help="paired extraction runs (the median is reported)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--read-passes", type=int, default=5, help="passes over the store per read measurement")
+    ap.add_argument("--max-tokens", type=int, default=1024, help="the trainer's packed row length (the recipe's)")
     ap.add_argument("--out", default="/tmp/eyas-bench-extract")
     args = ap.parse_args()
     if args.threads:
@@ -171,15 +199,21 @@ def main() -> None:
     torch.set_num_threads(1)
     files = sorted((Path(cfg.store) / SHARD_DIR).glob("*.safetensors"))
     read_sequential(files, 1)  # into the page cache
-    reads, orders = [], []
+    figures = {k: [] for k in ("random", "in_order", "checked", "mapped", "trainer")}
     for k in range(2 * args.repeats + 1):
         ts, bs = read_sequential(files, args.read_passes)
-        tr, br = read_random(Path(cfg.store), args.read_passes, seed=k)
-        to, bo = read_random(Path(cfg.store), args.read_passes, seed=k, shuffle=False)
-        reads.append((br / tr) / (bs / ts))
-        orders.append((br / tr) / (bo / to))
-        print(f"  sequential files {bs / ts / 2**30:5.2f} GiB/s   random samples {br / tr / 2**30:5.2f} GiB/s   "
-              f"samples in order {bo / to / 2**30:5.2f} GiB/s   random/sequential {reads[-1]:.3f}", flush=True)
+        store, passes = Path(cfg.store), args.read_passes
+        runs = {"random": read_random(store, passes, seed=k), "in_order": read_random(store, passes, k, shuffle=False),
+                "checked": read_random(store, passes, seed=k, check=True),
+                "mapped": read_random(store, passes, seed=k, check=True, mapped=True),
+                "trainer": read_batches(store, passes, args.max_tokens)}
+        for name, (t, b) in runs.items():
+            figures[name].append((b / t) / (bs / ts))
+        f = {name: v[-1] for name, v in figures.items()}
+        print(f"  sequential files {bs / ts / 2**30:5.2f} GiB/s   random samples {f['random'] * bs / ts / 2**30:5.2f} "
+              f"GiB/s   random/sequential {f['random']:.3f}   (in store order {f['in_order']:.3f}; first reads "
+              f"checked {f['checked']:.3f}, copied from the map {f['mapped']:.3f}; trainer's batches "
+              f"{f['trainer']:.3f})", flush=True)
     torch.set_num_threads(threads)
 
     H = target.hidden_size
@@ -193,8 +227,13 @@ def main() -> None:
         "extract_cpu_ratios": [round(r, 3) for r in cpu_ratios],
         "bare_tok_s": [round(a) for a, _ in rates], "extract_tok_s": [round(b) for _, b in rates],
         "compact_extract_over_bare_forward": round(t_bare / t_cmp, 3),
-        "random_over_sequential_read": round(statistics.median(reads), 3), "read_ratios": [round(r, 3) for r in reads],
-        "random_over_in_order_samples": round(statistics.median(orders), 3),
+        "random_over_sequential_read": round(statistics.median(figures["random"]), 3),
+        "read_ratios": [round(r, 3) for r in figures["random"]],
+        "random_over_in_order_samples": round(statistics.median(figures["random"]) / statistics.median(
+            figures["in_order"]), 3),
+        "checked_random_over_sequential_read": round(statistics.median(figures["checked"]), 3),
+        "mapped_checked_random_over_sequential_read": round(statistics.median(figures["mapped"]), 3),
+        "trainer_batches_over_sequential_read": round(statistics.median(figures["trainer"]), 3),
         "reference_bytes_per_token": 8 * H,
         "bf16_bytes_per_token": m_bf16["bytes_per_token"], "bf16_over_reference": round(m_bf16["bytes_per_token"] / (8 * H), 4),
         "compact_bytes_per_token": m_cmp["bytes_per_token"],
@@ -207,6 +246,10 @@ def main() -> None:
          f"by CPU time, writer included: {result['extract_over_bare_forward_cpu_time']:.3f})"),
         (f"2. random sample reads / sequential page cache   {result['random_over_sequential_read']:.3f}  (goal >= 0.8; "
          f"random / the same samples in store order: {result['random_over_in_order_samples']:.3f})"),
+        (f"   with each sample's checksum checked on its first read ({args.read_passes} passes): "
+         f"{result['checked_random_over_sequential_read']:.3f}; copied from the memory map instead, checked: "
+         f"{result['mapped_checked_random_over_sequential_read']:.3f}; the trainer's packed micro-batches, "
+         f"checked: {result['trainer_batches_over_sequential_read']:.3f}"),
         (f"3. bytes per token vs 8H = {8 * H}: bf16 {result['bf16_bytes_per_token']} "
          f"({result['bf16_over_reference']:.4f}x), compact {result['compact_bytes_per_token']} "
          f"({result['compact_over_reference']:.4f}x)"),

@@ -1,6 +1,7 @@
 """The hidden-state store: format, zero-copy reader, compact codec, verify, info/verify CLI."""
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -224,3 +225,72 @@ def test_verify_against_the_prepared_data_names_a_sample_with_other_tokens(tmp_p
     assert cli.main(["store", "verify", str(store), "--data", str(tmp_path / "prep2"), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert "1 problem" in err and "sample id-2 (row 2) has other token ids" in err and shard_name(0) in err
+
+
+def byte_buffers(reader, tokens: int) -> dict:
+    """Flat uint8 views of fresh buffers, one per stored tensor, for `tokens` tokens (what read_into fills)."""
+    bufs = {n: torch.full((tokens, math.prod(shape) * dt.itemsize), 7, dtype=torch.uint8).view(dt).view(tokens, *shape)
+            for n, (dt, shape) in reader.row_specs.items()}  # every byte 7
+    return bufs, {n: t.view(torch.uint8).numpy().reshape(-1) for n, t in bufs.items()}
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["bf16", "compact"])
+def test_read_into_copies_exactly_the_samples_rows(tmp_path, compact):
+    """Every sample read into a buffer at an offset equals the sample the mapped reader returns, decoded the same
+    way, and the bytes before and after it stay untouched."""
+    from eyas.store import features
+
+    data = samples(9)
+    r = StoreReader(build_store(tmp_path / "s", data, compact=compact))
+    for i, d in enumerate(data):
+        L, at = len(d[2]), 3
+        bufs, out = byte_buffers(r, at + L + 2)
+        assert r.read_into(i, out, at) == L
+        sl = slice(at, at + L)
+        aux, final = features({n: t[sl] for n, t in bufs.items()})
+        s = r[i]
+        assert torch.equal(bufs["input_ids"][sl].long(), d[2]) and bufs["loss_mask"][sl].tolist() == d[3].tolist()
+        assert torch.equal(aux, s.aux) and torch.equal(final, s.final)
+        untouched = [t for t in bufs.values() for t in (t[:at], t[at + L:])]
+        assert all((t.view(torch.uint8) == 7).all() for t in untouched)
+
+
+def test_read_into_names_a_damaged_sample_and_a_shard_cut_short_while_open(tmp_path):
+    data = samples(9)
+    store = build_store(tmp_path / "s", data)
+    shards = sorted((store / SHARD_DIR).iterdir())
+    flip_byte(shards[0], shards[0].stat().st_size - 3)  # the last tensor of shard 0's last sample, id-2
+    r = StoreReader(store)
+    _, out = byte_buffers(r, 20)
+    assert r.read_into(0, out) == len(data[0][2])  # the undamaged samples of the shard still read
+    with pytest.raises(EyasError, match="shard-000000.*id-2.*checksum differs") as e:
+        r.read_into(2, out)
+    assert "store verify" in e.value.fix
+    r.read_into(3, out)  # opens shard 1; now it is cut short under the open reader
+    with open(shards[1], "r+b") as f:
+        f.truncate(shards[1].stat().st_size - 10)
+    with pytest.raises(EyasError, match="shard-000001.*ends inside sample id-5"):
+        r.read_into(5, out)
+
+
+def test_read_into_keeps_a_bounded_number_of_shard_files_open(tmp_path, monkeypatch):
+    """A terabyte store has thousands of shards, more than a process may open: the reader keeps at most
+    OPEN_FILES of them open, whichever way it reads."""
+    import os
+
+    import eyas.store
+
+    monkeypatch.setattr(eyas.store, "OPEN_FILES", 2)
+    data = samples(12)
+    r = StoreReader(build_store(tmp_path / "s", data))  # 4 shards of 3 samples
+    _, out = byte_buffers(r, 20)
+    before = len(os.listdir("/proc/self/fd"))
+    for i in [0, 3, 6, 9, 1, 4, 7, 10, 2]:
+        r.read_into(i, out)
+        assert len(os.listdir("/proc/self/fd")) - before <= 4  # 2 shards, each a file and a map at most
+        assert r[i].id == data[i][1]  # the mapped reader too (each map holds a file descriptor)
+        assert len(os.listdir("/proc/self/fd")) - before <= 4
+    assert StoreReader(r.path).verify() == []  # and verify, which reads every shard
+    bufs, out = byte_buffers(r, 20)
+    r.read_into(11, out)
+    assert torch.equal(bufs["input_ids"][: len(data[11][2])].long(), data[11][2])

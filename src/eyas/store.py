@@ -21,7 +21,9 @@ from __future__ import annotations
 import dataclasses
 import errno
 import hashlib
+import io
 import json
+import math
 import mmap
 import os
 import re
@@ -39,6 +41,7 @@ from eyas.errors import EyasError
 FORMAT, VERSION = "eyas-store", 1
 SHARD_DIR, MANIFEST = "shards", "manifest.json"
 TENSORS = ("input_ids", "loss_mask", "aux", "final", "aux_exp", "final_exp")  # checksum order
+OPEN_FILES = 128  # shards a reader keeps open (file and memory map)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # Worst-case error of the compact store, elementwise: |x - x~| <= |x| / 16 + amax(row) / COMPACT_ABS_DIV
 # (3 mantissa bits round to within 2**-4 relatively; below 2**-6 * scale, e4m3 subnormals step by 2**-9 * scale,
@@ -55,6 +58,27 @@ SHARD_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}\.safetensors")
 def bytes_per_token(hidden: int, compact: bool) -> int:
     """Stored bytes per token: ids (4) + mask (1) + features (8H in bf16, 4H + 4 compact)."""
     return 5 + (4 * hidden + 4 if compact else 8 * hidden)
+
+
+def row_specs(hidden: int, compact: bool) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """What one token of a shard holds: {tensor name: (dtype, shape of one row)}, in checksum order."""
+    fdt = torch.float8_e4m3fn if compact else torch.bfloat16
+    specs = {"input_ids": (torch.int32, ()), "loss_mask": (torch.int8, ()), "aux": (fdt, (3 * hidden,)),
+             "final": (fdt, (hidden,))}
+    if compact:
+        specs |= {"aux_exp": (torch.int8, (3,)), "final_exp": (torch.int8, (1,))}
+    return specs
+
+
+def features(t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored rows -> (aux [..., 3H], final [..., H]) in bf16: the compact store's fp8 rows are decoded, a bf16
+    store's are returned as they are. `t` holds the stored tensors over any leading shape (a sample [L] or a
+    batch [B, T])."""
+    if "aux_exp" not in t:
+        return t["aux"], t["final"]
+    lead, H = t["final"].shape[:-1], t["final"].shape[-1]
+    aux = dequantize_rows(t["aux"].view(*lead, 3, H), t["aux_exp"]).view(*lead, 3 * H)
+    return aux, dequantize_rows(t["final"], t["final_exp"][..., 0])
 
 
 def shard_name(k: int) -> str:
@@ -79,7 +103,7 @@ def dequantize_rows(q: torch.Tensor, exp: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------- safetensors files
 
-def matches(parts: Sequence[torch.Tensor], stored) -> bool:
+def matches(parts: Sequence, stored) -> bool:
     """Whether `parts` hash to the manifest's `stored` checksum, with the algorithm it names (False when `stored`
     is not a checksum at all: a damaged manifest)."""
     if not isinstance(stored, str):
@@ -91,14 +115,14 @@ def matches(parts: Sequence[torch.Tensor], stored) -> bool:
     return checksum(parts, algorithm) == stored
 
 
-def checksum(parts: Sequence[torch.Tensor], algorithm: str = "xxh3") -> str:
+def checksum(parts: Sequence, algorithm: str = "xxh3") -> str:
     """The checksum of a sample's tensors, prefixed with its algorithm ("xxh3:..."; "" means blake2b, the first).
 
     xxh3-128 runs at memory speed (about 50 GiB/s over data in cache, on one core) where blake2b runs at 1 GiB/s:
     the reader checks each sample on its first read, and with blake2b that check cost more than the read."""
     h = xxhash.xxh3_128() if algorithm == "xxh3" else hashlib.blake2b(digest_size=16)
-    for t in parts:
-        h.update(t.contiguous().view(torch.uint8).numpy().data)
+    for t in parts:  # tensors, or buffers of their bytes (StoreReader.read_into)
+        h.update(t.contiguous().view(torch.uint8).numpy().data if isinstance(t, torch.Tensor) else t)
     return f"{algorithm}:{h.hexdigest()}" if algorithm else h.hexdigest()
 
 
@@ -195,14 +219,8 @@ class ShardBuilder:
     """One shard's samples in preallocated storage buffers; `commit` writes it atomically."""
 
     def __init__(self, name: str, tokens: int, hidden: int, compact: bool):
-        fdt = torch.float8_e4m3fn if compact else torch.bfloat16
-        T, H = tokens, hidden
         self.name, self.hidden, self.compact, self.fill = name, hidden, compact, 0
-        self.t = {"input_ids": torch.empty(T, dtype=torch.int32), "loss_mask": torch.empty(T, dtype=torch.int8),
-                  "aux": torch.empty(T, 3 * H, dtype=fdt), "final": torch.empty(T, H, dtype=fdt)}
-        if compact:
-            self.t["aux_exp"] = torch.empty(T, 3, dtype=torch.int8)
-            self.t["final_exp"] = torch.empty(T, 1, dtype=torch.int8)
+        self.t = {n: torch.empty(tokens, *shape, dtype=dt) for n, (dt, shape) in row_specs(hidden, compact).items()}
         self.entries: dict[str, list] = {"rows": [], "ids": [], "offsets": [], "lengths": [], "checksums": []}
 
     def add(self, row: int, sample_id: str, input_ids, loss_mask, aux: Sequence[torch.Tensor], final) -> None:
@@ -292,28 +310,53 @@ class StoreSample:
 
 
 class _Shard:
-    """A memory-mapped shard: one tensor view per stored tensor, over the whole file (no copy)."""
+    """A shard: where each stored tensor lies, read once from its header (`rows[name] = (byte offset, bytes per
+    token)`, in checksum order), and, opened on demand, the file (for `StoreReader.read_into`) and a private
+    memory map of it with one tensor view per stored tensor (`tensors()`, no copy). `close` gives both back."""
 
     def __init__(self, path: Path, need: tuple[str, ...]):
         header, start = read_header(path)
-        with open(path, "rb") as f:  # a private mapping: writes to a view never reach the file
-            self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        self.t = {}
+        self.path, self.spec, self.rows = path, {}, {}
+        self._file = self._t = None
         try:
             for name, spec in header.items():
                 if name == "__metadata__":
                     continue
-                dt = _TORCH_DTYPES[spec["dtype"]]
-                a, b = spec["data_offsets"]
-                shape = spec["shape"]
-                self.t[name] = torch.frombuffer(self.mm, dtype=dt, count=(b - a) // dt.itemsize,
-                                                offset=start + a).view(shape) if b > a else torch.empty(shape, dtype=dt)
-            missing = [n for n in need if n not in self.t]
-        except (KeyError, TypeError, ValueError, RuntimeError) as e:  # a damaged header: dtype, shape, offsets
+                dt, shape = _TORCH_DTYPES[spec["dtype"]], [int(d) for d in spec["shape"]]
+                a, b = (int(x) for x in spec["data_offsets"])
+                if not shape or min(shape) < 0 or math.prod(shape) * dt.itemsize != b - a or a < 0:
+                    raise ValueError(f"{name}: shape {shape} of {spec['dtype']} in bytes {a}..{b}")
+                self.spec[name] = (dt, shape, start + a)
+            missing = [n for n in need if n not in self.spec]
+            self.rows = {n: (off, math.prod(shape[1:]) * dt.itemsize) for n, (dt, shape, off) in self.spec.items()}
+            self.rows = {n: self.rows[n] for n in TENSORS if n in self.rows}
+        except (KeyError, TypeError, ValueError, AttributeError) as e:  # a damaged header: dtype, shape, offsets
             missing = [f"readable tensors ({type(e).__name__}: {str(e)[:80]})"]
         if missing:
             raise EyasError(f"shard {path} is corrupted: its header lacks {', '.join(missing)}",
                             fix="delete the shard and re-run the command that wrote the store")
+
+    def file(self) -> io.FileIO:
+        if self._file is None:
+            self._file = open(self.path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
+        return self._file
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        if self._t is None:
+            with open(self.path, "rb") as f:  # a private mapping: writes to a view never reach the file
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            with warnings.catch_warnings():  # frombuffer warns that the buffer is not writable: it is (a copy)
+                warnings.simplefilter("ignore", UserWarning)
+                self._t = {n: torch.frombuffer(mm, dtype=dt, count=math.prod(shape), offset=off).view(shape)
+                           if math.prod(shape) else torch.empty(shape, dtype=dt)
+                           for n, (dt, shape, off) in self.spec.items()}
+        return self._t
+
+    def close(self) -> None:
+        """Close the file and drop the map (views handed out keep it alive until they go)."""
+        if self._file is not None:
+            self._file.close()
+        self._file = self._t = None
 
 
 class StoreReader:
@@ -349,7 +392,8 @@ class StoreReader:
         self.skipped = len(all_samples) - len(self.samples)
         self.lengths = np.fromiter((s["length"] for s in self.samples), dtype=np.int64, count=len(self.samples))
         self.ids = [s["id"] for s in self.samples]
-        self._shards: dict[str, _Shard] = {}
+        self._shards: dict[str, _Shard] = {}  # every shard read so far (its layout: a few numbers)
+        self._open: dict[str, _Shard] = {}  # of which those with open files or maps, least recently used first
         self._unchecked = np.ones(len(self.samples), dtype=bool) if check_reads else None
 
     def _check_names(self, mpath: Path) -> None:
@@ -408,32 +452,67 @@ class StoreReader:
         return len(self.samples)
 
     def shard(self, name: str) -> _Shard:
+        """Shard `name`, counted as in use: at most OPEN_FILES shards keep a file or a map open (a terabyte store
+        has thousands of shards, more than a process may open), the least recently used is closed first."""
         sh = self._shards.get(name)
         if sh is None:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                need = tuple(n for n in TENSORS if self.compact or not n.endswith("_exp"))
-                sh = self._shards[name] = _Shard(self.path / SHARD_DIR / name, need)
+            need = tuple(n for n in TENSORS if self.compact or not n.endswith("_exp"))
+            sh = self._shards[name] = _Shard(self.path / SHARD_DIR / name, need)
+        self._open[name] = self._open.pop(name, sh)
+        if len(self._open) > OPEN_FILES:
+            self._open.pop(next(iter(self._open))).close()
         return sh
 
     def __getitem__(self, i: int) -> StoreSample:
+        """Sample i as views into the memory-mapped shard (a compact store's features decoded to bf16)."""
         s = self.samples[i]
-        t = self.shard(s["shard"]).t
+        t = self.shard(s["shard"]).tensors()
         sl = slice(s["offset"], s["offset"] + s["length"])
+        rows = {n: t[n][sl] for n in TENSORS if n in t}
         if self._unchecked is not None and self._unchecked[i]:
-            if not matches([t[n][sl] for n in TENSORS if n in t], s["checksum"]):
-                raise EyasError(f"store {self.path}: shard {s['shard']}: sample {s['id']} (row {s['row']}) is "
-                                "corrupted (its checksum differs)", "the shard was damaged after it was written",
-                                f"`eyas store verify {self.path}` lists every damaged sample; delete the shards it "
-                                "names and rerun the extract (it rewrites only those), or import again")
-            self._unchecked[i] = False
-        if self.compact:
-            L, H = s["length"], self.hidden_size
-            aux = dequantize_rows(t["aux"][sl].view(L, 3, H), t["aux_exp"][sl]).view(L, 3 * H)
-            final = dequantize_rows(t["final"][sl], t["final_exp"][sl, 0])
-        else:
-            aux, final = t["aux"][sl], t["final"][sl]
-        return StoreSample(s["id"], t["input_ids"][sl].long(), t["loss_mask"][sl], aux, final)
+            self._check(i, list(rows.values()))
+        aux, final = features(rows)
+        return StoreSample(s["id"], rows["input_ids"].long(), rows["loss_mask"], aux, final)
+
+    @property
+    def row_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """{stored tensor: (dtype, shape of one token's row)}: the buffers `read_into` fills."""
+        return row_specs(self.hidden_size, self.compact)
+
+    def read_into(self, i: int, out: dict[str, np.ndarray], at: int = 0) -> int:
+        """Copy sample i's stored rows into caller-owned buffers from token `at` on; returns its length.
+
+        `out[name]` is a flat uint8 view of a buffer of the stored dtype and row shape (`row_specs`), for every
+        stored tensor. The kernel copies the bytes out of the page cache (pread), which runs at the speed of
+        reading the files in order, where copying out of the memory map ran 0.6x that (bench/bench_extract.py).
+        Nothing here touches torch: per sample, a few system calls. A sample's first read checks its checksum
+        on the bytes just copied.
+        """
+        s = self.samples[i]
+        sh = self.shard(s["shard"])
+        rows, f = sh.rows, sh.file()
+        o, n = s["offset"], s["length"]
+        parts = []
+        for name, (start, width) in rows.items():
+            dst = out[name][at * width:(at + n) * width]
+            if os.preadv(f.fileno(), [dst], start + o * width) != n * width:
+                raise EyasError(f"store {self.path}: shard {s['shard']} ends inside sample {s['id']} (row "
+                                f"{s['row']})", "the shard was cut short after it was opened",
+                                f"`eyas store verify {self.path}` names the damaged shards; delete them and rerun "
+                                "the extract (it rewrites only those)")
+            parts.append(dst)
+        if self._unchecked is not None and self._unchecked[i]:
+            self._check(i, parts)
+        return n
+
+    def _check(self, i: int, parts: list) -> None:
+        s = self.samples[i]
+        if not matches(parts, s["checksum"]):
+            raise EyasError(f"store {self.path}: shard {s['shard']}: sample {s['id']} (row {s['row']}) is "
+                            "corrupted (its checksum differs)", "the shard was damaged after it was written",
+                            f"`eyas store verify {self.path}` lists every damaged sample; delete the shards it "
+                            "names and rerun the extract (it rewrites only those), or import again")
+        self._unchecked[i] = False
 
     # --- checking
     def verify(self, progress: Callable[[int], None] | None = None) -> list[str]:
@@ -455,7 +534,7 @@ class StoreReader:
 
     def _verify_shard(self, name: str, samples: list[dict]) -> list[str]:
         try:
-            t = self.shard(name).t
+            t = self.shard(name).tensors()
         except EyasError as e:
             return [str(e).split("\n")[0]]  # unreadable, or lacking tensors
         problems = []

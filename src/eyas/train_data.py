@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from eyas.errors import EyasError
+from eyas.store import features
 from eyas.ttt import shift_left
 
 
@@ -112,6 +113,13 @@ class Subset:
     def __getitem__(self, i: int):
         return self.source[int(self.indices[i])]
 
+    @property
+    def row_specs(self):  # only when the source is a store (an AttributeError otherwise)
+        return self.source.row_specs
+
+    def read_into(self, i: int, out: dict, at: int = 0) -> int:
+        return self.source.read_into(int(self.indices[i]), out, at)
+
     def check_target(self, identity: dict) -> None:
         self.source.check_target(identity)
 
@@ -153,40 +161,74 @@ class Batch:
                                    aux=mv(self.aux, True), final=mv(self.final, True))
 
 
+def positions(row_lengths: list[list[int]], T: int) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """Rows of packed sample lengths -> (position_ids [B,T] restarting at 0 for every sample, doc_ids [B,T]
+    numbering the samples of a row, -1 on padding, docs: (row, start, length) of every sample)."""
+    pos = np.zeros((len(row_lengths), T), dtype=np.int64)
+    doc = np.full((len(row_lengths), T), -1, dtype=np.int64)
+    docs = []
+    for r, lengths in enumerate(row_lengths):
+        at = 0
+        for d, n in enumerate(lengths):
+            pos[r, at:at + n], doc[r, at:at + n] = np.arange(n), d
+            docs.append((r, at, n))
+            at += n
+    return torch.from_numpy(pos), torch.from_numpy(doc), tuple(docs)
+
+
 def collate(rows: list[list[Sample]], repeats: int = 0, pin: bool = False) -> Batch:
     """Rows of samples (several = packed) -> one right-padded Batch."""
-    lens = [sum(len(s.input_ids) for s in row) for row in rows]
+    row_lengths = [[len(s.input_ids) for s in row] for row in rows]
+    lens = [sum(r) for r in row_lengths]
     B, T = len(rows), max(lens)
     first = rows[0][0]
     feats = first.aux is not None
-    if B == 1 and len(rows[0]) == 1:  # the common case: no copy at all (store tensors are memory-mapped views)
-        s = first
-        return Batch(s.input_ids[None].long(), s.loss_mask[None].long(), torch.arange(T)[None],
-                     torch.zeros(1, T, dtype=torch.long), s.aux[None] if feats else None,
-                     s.final[None] if feats else None, 1, repeats, T, ((0, 0, T),))
     ids = torch.zeros(B, T, dtype=torch.long)
     mask = torch.zeros(B, T, dtype=torch.long)
-    pos = torch.zeros(B, T, dtype=torch.long)
-    doc = torch.full((B, T), -1, dtype=torch.long)
     aux = torch.zeros(B, T, first.aux.shape[-1], dtype=first.aux.dtype) if feats else None
     final = torch.zeros(B, T, first.final.shape[-1], dtype=first.final.dtype) if feats else None
-    docs = []
     for r, row in enumerate(rows):
         at = 0
-        for d, s in enumerate(row):
+        for s in row:
             n = len(s.input_ids)
             ids[r, at:at + n], mask[r, at:at + n] = s.input_ids, s.loss_mask
-            pos[r, at:at + n], doc[r, at:at + n] = torch.arange(n), d
             if feats:
                 aux[r, at:at + n], final[r, at:at + n] = s.aux, s.final
-            docs.append((r, at, n))
             at += n
     if pin:
         aux, final = (t.pin_memory() if t is not None else None for t in (aux, final))
-    return Batch(ids, mask, pos, doc, aux, final, sum(len(r) for r in rows), repeats, sum(lens), tuple(docs))
+    pos, doc, docs = positions(row_lengths, T)
+    return Batch(ids, mask, pos, doc, aux, final, sum(len(r) for r in rows), repeats, sum(lens), docs)
+
+
+def read_batch(store, micro: tuple[tuple[int, ...], ...], repeats: int = 0, pin: bool = False) -> Batch:
+    """A micro-batch read straight from a store (`StoreReader`, or a `Subset` of one) into the batch's own
+    buffers: each sample's stored rows by `store.read_into` (the kernel's copy out of the page cache, no per-sample
+    tensor work), then the ids widened and a compact store's features decoded once for the whole batch."""
+    lengths = np.asarray(store.lengths)
+    row_lengths = [[int(lengths[i]) for i in unit] for unit in micro]
+    lens = [sum(r) for r in row_lengths]
+    B, T = len(micro), max(lens)
+    raw = {n: torch.empty(B, T, *shape, dtype=dt, pin_memory=pin) for n, (dt, shape) in store.row_specs.items()}
+    flat = [t.view(torch.uint8).numpy().reshape(B, -1) for t in raw.values()]  # byte views, made once a batch
+    for r, unit in enumerate(micro):
+        out = dict(zip(raw, (a[r] for a in flat)))
+        at = 0
+        for i in unit:
+            at += store.read_into(int(i), out, at)
+        for a in out.values():  # padding: zero ids and mask, and features that cannot be NaN
+            a[at * (len(a) // T):] = 0
+    aux, final = features(raw)
+    if pin and not aux.is_pinned():
+        aux, final = aux.pin_memory(), final.pin_memory()
+    pos, doc, docs = positions(row_lengths, T)
+    return Batch(raw["input_ids"].long(), raw["loss_mask"].long(), pos, doc, aux, final,
+                 sum(len(u) for u in micro), repeats, sum(lens), docs)
 
 
 def load_micro_batch(source, micro: tuple[tuple[int, ...], ...], repeats: int = 0, pin: bool = False) -> Batch:
+    if hasattr(source, "row_specs"):  # a store: read into the batch
+        return read_batch(source, micro, repeats, pin)
     return collate([[source[i] for i in unit] for unit in micro], repeats, pin)
 
 

@@ -135,23 +135,29 @@ def run_trials(path: Path, load, reference, names, full: bool, tally) -> dict:
 
 # ---------------------------------------------------------------- store shards
 
-def read_store(path: Path) -> list:
-    """Every sample, through the reader the trainer opens (eyas.train_data.open_store)."""
-    from eyas.train_data import open_store
+def read_store(path: Path, via: str = "views") -> list:
+    """Every sample, through the reader the trainer opens (eyas.train_data.open_store): as the memory-mapped
+    views `reader[i]` returns, or read into a micro-batch of its own as the trainer reads (read_batch)."""
+    from eyas.train_data import open_store, read_batch
 
     reader = open_store(str(path))
-    out = [(s.id, s.input_ids.clone(), s.loss_mask.clone(), s.aux.clone(), s.final.clone())
-           for s in (reader[i] for i in range(len(reader)))]
+    if via == "views":
+        out = [(s.id, s.input_ids.clone(), s.loss_mask.clone(), s.aux.clone(), s.final.clone())
+               for s in (reader[i] for i in range(len(reader)))]
+    else:
+        out = [(reader.ids[i], b.input_ids, b.loss_mask, b.aux, b.final)
+               for i, b in ((i, read_batch(reader, ((i,),))) for i in range(len(reader)))]
     del reader
     return out
 
 
+@pytest.mark.parametrize("via", ["views", "batches"])
 @pytest.mark.parametrize("compact", [False, True], ids=["bf16", "compact"])
-def test_damaged_store_shards_are_named_never_read_wrong(tmp_path, compact, faults_full, tally):
+def test_damaged_store_shards_are_named_never_read_wrong(tmp_path, compact, via, faults_full, tally):
     store = build_store(tmp_path / "s", store_samples(7), compact=compact, per_shard=4)
-    reference = read_store(store)
+    reference = read_store(store, via)
     for shard in sorted((store / "shards").iterdir()):
-        counts = run_trials(shard, lambda: read_store(store), reference, (shard.name,), faults_full, tally)
+        counts = run_trials(shard, lambda: read_store(store, via), reference, (shard.name,), faults_full, tally)
         assert counts["detected"] >= 0.5 * sum(counts.values())  # most bytes of a shard matter
 
 

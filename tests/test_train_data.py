@@ -1,0 +1,37 @@
+"""The trainer's batches from a store: read straight into the batch (read_batch) equals collating the samples."""
+
+import numpy as np
+import pytest
+import torch
+from test_store import build_store, samples
+
+from eyas.store import StoreReader
+from eyas.train_data import Subset, collate, load_micro_batch, read_batch
+
+MICRO = ((4, 0, 7), (2,), (8, 5), (1, 3, 6))  # packed rows of different lengths: padding in every row but one
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["bf16", "compact"])
+def test_read_batch_equals_collating_the_samples(tmp_path, compact):
+    r = StoreReader(build_store(tmp_path / "s", samples(9), compact=compact))
+    got = read_batch(r, MICRO, repeats=1)
+    want = collate([[r[i] for i in unit] for unit in MICRO], repeats=1)
+    for name in ("input_ids", "loss_mask", "position_ids", "doc_ids", "aux", "final"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert (got.samples, got.repeats, got.tokens, got.docs) == (want.samples, want.repeats, want.tokens, want.docs)
+    lengths = [sum(int(r.lengths[i]) for i in unit) for unit in MICRO]
+    assert got.tokens == sum(lengths) and got.input_ids.shape[1] == max(lengths)
+    for row, n in enumerate(lengths):  # padding: zeros, and no document
+        assert not got.aux[row, n:].any() and not got.final[row, n:].any() and (got.doc_ids[row, n:] == -1).all()
+    # the doc layout: positions restart at 0 for every packed sample
+    row, start, n = got.docs[-1]
+    assert got.position_ids[row, start:start + n].tolist() == list(range(n))
+
+
+def test_a_subset_of_a_store_reads_its_own_samples(tmp_path):
+    r = StoreReader(build_store(tmp_path / "s", samples(9)))
+    sub = Subset(r, np.array([8, 2, 5]))
+    got = load_micro_batch(sub, ((0, 2), (1,)))  # samples 8+5 packed, then 2
+    want = collate([[r[8], r[5]], [r[2]]])
+    assert torch.equal(got.aux, want.aux) and torch.equal(got.input_ids, want.input_ids)
