@@ -1,4 +1,4 @@
-"""The hidden-state store: checksummed safetensors shards plus a manifest, read zero-copy by memory mapping.
+"""The hidden-state store: checksummed safetensors shards plus a manifest, read as memory-mapped views or by pread.
 
     STORE/manifest.json                      what the store holds (see `write_manifest`)
     STORE/shards/shard-000000.safetensors    many samples each, concatenated along the token axis
@@ -360,7 +360,8 @@ class _Shard:
 
 
 class StoreReader:
-    """Random access to a store's samples; `reader[i]` returns zero-copy views into the memory-mapped shards.
+    """Random access to a store's samples: `reader[i]` returns zero-copy views into the memory-mapped shards,
+    `reader.read_into(i, buffers)` copies the sample's stored rows into the caller's buffers (the trainer's way).
 
     `skip_bad=True` leaves out (and counts in `.skipped`) the samples of shards that are missing or truncated,
     instead of refusing to open the store. `check_reads=True` checks each sample's checksum the first time it is

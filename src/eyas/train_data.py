@@ -5,8 +5,9 @@ A *source* is any object with the `eyas.store.StoreReader` interface: `len`, `[i
 `.identity` and `.check_target(identity)`. A prepared dataset (`PreparedSource`, for `--online`) has no
 features: the target computes them in the loop (`capture_features`).
 
-Micro-batches come from `eyas.sharding` as tuples of units (sample indices packed into one row). `collate`
-turns them into a `Batch`: rows right-padded to the longest, `position_ids` restarting at 0 for every packed
+Micro-batches come from `eyas.sharding` as tuples of units (sample indices packed into one row).
+`load_micro_batch` turns them into a `Batch` (a store's samples are read straight into it by `read_batch`, other
+sources' samples copied by `collate`): rows right-padded to the longest, `position_ids` restarting at 0 for every packed
 sample and `doc_ids` numbering them (-1 on padding), which `eyas.ttt.ttt_forward` turns into
 document-aware attention. `Prefetcher` builds the next batches on a background thread, so the step never waits
 on reading and copying (the time it does wait is measured).
