@@ -188,6 +188,8 @@ def main() -> None:
         rates.append((tokens / t_bare, tokens / t_ext))
         print(f"  bare {tokens / t_bare:8.0f} tok/s   extract {tokens / t_ext:8.0f} tok/s   wall ratio {t_bare / t_ext:.3f}"
               f"   cpu-time ratio {cpu_ratios[-1]:.3f}", flush=True)
+    problems = StoreReader(cfg.store).verify()  # what `eyas store verify` runs: every checksum recomputed
+    print(f"  store verify {cfg.store}: " + ("passed" if not problems else f"{len(problems)} problems: {problems[:3]}"))
     compact = dataclass_replace(cfg, store=str(out / "store-compact"), compact=True)
     t_bare, tokens = bare_forward(target, data, cfg)
     t_cmp = timed_extract(target, compact)
@@ -221,6 +223,7 @@ def main() -> None:
     m_cmp = StoreReader(compact.store).manifest["totals"]
     result = {
         "target": args.target, "samples": m_bf16["samples"], "tokens": m_bf16["tokens"],
+        "store_verify_problems": problems,
         "threads": threads,
         "extract_over_bare_forward": round(statistics.median(ratios), 3), "extract_ratios": [round(r, 3) for r in ratios],
         "extract_over_bare_forward_cpu_time": round(statistics.median(cpu_ratios), 3),

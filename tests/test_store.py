@@ -273,6 +273,7 @@ def test_read_into_names_a_damaged_sample_and_a_shard_cut_short_while_open(tmp_p
         r.read_into(5, out)
 
 
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts open files in /proc/self/fd (Linux)")
 def test_read_into_keeps_a_bounded_number_of_shard_files_open(tmp_path, monkeypatch):
     """A terabyte store has thousands of shards, more than a process may open: the reader keeps at most
     OPEN_FILES of them open, whichever way it reads."""
@@ -294,3 +295,97 @@ def test_read_into_keeps_a_bounded_number_of_shard_files_open(tmp_path, monkeypa
     bufs, out = byte_buffers(r, 20)
     r.read_into(11, out)
     assert torch.equal(bufs["input_ids"][: len(data[11][2])].long(), data[11][2])
+
+
+def test_a_shard_replaced_or_removed_under_an_open_reader_is_named(tmp_path, monkeypatch):
+    """A closed (least recently used) shard is reopened only if it is still the file whose header was read: a
+    shard rewritten meanwhile, even to the same size, would put other bytes where the reader looks."""
+    import eyas.store
+
+    monkeypatch.setattr(eyas.store, "OPEN_FILES", 1)
+    store = build_store(tmp_path / "s", samples(9))
+    other = build_store(tmp_path / "o", samples(9, seed=1))
+    r = StoreReader(store)
+    _, out = byte_buffers(r, 20)
+    r.read_into(0, out), r.read_into(3, out)  # shard 0 read, then closed to open shard 1
+    shard0 = store / SHARD_DIR / shard_name(0)
+    shard0.write_bytes((other / SHARD_DIR / shard_name(0)).read_bytes()[: shard0.stat().st_size].ljust(
+        shard0.stat().st_size, b" "))
+    with pytest.raises(EyasError, match="shard-000000.*replaced or changed") as e:
+        r.read_into(0, out)  # checked on its first read: only the reopening check can tell
+    assert "open the store again" in e.value.fix
+    r.read_into(6, out), r.read_into(3, out)  # shard 2 read, then closed
+    (store / SHARD_DIR / shard_name(2)).unlink()
+    with pytest.raises(EyasError, match="shard-000002.* was removed"):
+        r[7]
+
+
+@pytest.mark.parametrize("damage", ["float dims", "huge offset", "aux of another dtype"])
+def test_a_header_that_does_not_describe_the_stores_tensors_is_named(tmp_path, damage):
+    import struct
+
+    store = build_store(tmp_path / "s", samples(3))
+    path = store / SHARD_DIR / shard_name(0)
+    blob = path.read_bytes()
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8:8 + n])
+    T = header["input_ids"]["shape"][0]
+    if damage == "float dims":
+        header["loss_mask"]["shape"] = [T + 0.0]
+    elif damage == "huge offset":
+        header["final"]["data_offsets"][0] = 10**400
+    else:  # same bytes: [T, 3H] bf16 read as [T, 6H] int8
+        header["aux"].update(dtype="I8", shape=[T, 3 * H * 2])
+    text = json.dumps(header, separators=(",", ":")).encode().replace(b"1e+400", b"1" + b"0" * 400)
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + blob[8 + n:])  # the data as it was
+    manifest = json.loads((store / "manifest.json").read_text())
+    manifest["shards"][0]["bytes"] = path.stat().st_size  # only the header is damaged
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(EyasError, match="shard-000000.*corrupted") as e:
+        StoreReader(store)[0]
+    assert "delete the shard" in e.value.fix
+
+
+def test_read_into_refuses_a_small_buffer_and_a_sample_outside_its_shard(tmp_path):
+    data = samples(3)
+    store = build_store(tmp_path / "s", data)
+    r = StoreReader(store)
+    _, out = byte_buffers(r, len(data[0][2]) - 1)
+    with pytest.raises(ValueError, match="input_ids buffer holds"):
+        r.read_into(0, out)
+    manifest = json.loads((store / "manifest.json").read_text())
+    manifest["samples"][2]["offset"] += 1  # past the shard's last row
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    _, out = byte_buffers(r, 20)
+    with pytest.raises(EyasError, match="id-2 lies at rows .* which has"):
+        StoreReader(store).read_into(2, out)
+
+
+def test_threads_sharing_a_reader_read_every_sample_right(tmp_path, monkeypatch):
+    """Two threads reading one store while shards are closed and reopened under them (OPEN_FILES = 1)."""
+    import threading
+
+    import eyas.store
+
+    monkeypatch.setattr(eyas.store, "OPEN_FILES", 1)
+    data = samples(12)
+    r = StoreReader(build_store(tmp_path / "s", data))
+    errors = []
+
+    def work(order):
+        bufs, out = byte_buffers(r, 20)
+        try:
+            for _ in range(30):
+                for i in order:
+                    n = r.read_into(i, out)
+                    assert torch.equal(bufs["input_ids"][:n].long(), data[i][2])
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(o,)) for o in (range(12), range(11, -1, -1))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []

@@ -28,6 +28,7 @@ import mmap
 import os
 import re
 import struct
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -311,39 +312,65 @@ class StoreSample:
 
 class _Shard:
     """A shard: where each stored tensor lies, read once from its header (`rows[name] = (byte offset, bytes per
-    token)`, in checksum order), and, opened on demand, the file (for `StoreReader.read_into`) and a private
-    memory map of it with one tensor view per stored tensor (`tensors()`, no copy). `close` gives both back."""
+    token)`, in checksum order; `tokens` rows each), and, opened on demand, the file (for
+    `StoreReader.read_into`) and a private memory map of it with one tensor view per stored tensor (`tensors()`,
+    no copy). `close` gives both back; reopening checks that the file is still the one whose header was read."""
 
-    def __init__(self, path: Path, need: tuple[str, ...]):
+    def __init__(self, path: Path, expected: dict[str, tuple[torch.dtype, tuple[int, ...]]]):
         header, start = read_header(path)
-        self.path, self.spec, self.rows = path, {}, {}
+        st = path.stat()
+        self.path, self.identity, self.spec = path, (st.st_ino, st.st_size, st.st_mtime_ns), {}
         self._file = self._t = None
         try:
             for name, spec in header.items():
                 if name == "__metadata__":
                     continue
-                dt, shape = _TORCH_DTYPES[spec["dtype"]], [int(d) for d in spec["shape"]]
-                a, b = (int(x) for x in spec["data_offsets"])
-                if not shape or min(shape) < 0 or math.prod(shape) * dt.itemsize != b - a or a < 0:
+                dt, shape, (a, b) = _TORCH_DTYPES[spec["dtype"]], list(spec["shape"]), spec["data_offsets"]
+                if not all(type(x) is int and x >= 0 for x in [*shape, a, b]) or not shape \
+                        or math.prod(shape) * dt.itemsize != b - a:
                     raise ValueError(f"{name}: shape {shape} of {spec['dtype']} in bytes {a}..{b}")
                 self.spec[name] = (dt, shape, start + a)
-            missing = [n for n in need if n not in self.spec]
-            self.rows = {n: (off, math.prod(shape[1:]) * dt.itemsize) for n, (dt, shape, off) in self.spec.items()}
-            self.rows = {n: self.rows[n] for n in TENSORS if n in self.rows}
         except (KeyError, TypeError, ValueError, AttributeError) as e:  # a damaged header: dtype, shape, offsets
-            missing = [f"readable tensors ({type(e).__name__}: {str(e)[:80]})"]
-        if missing:
-            raise EyasError(f"shard {path} is corrupted: its header lacks {', '.join(missing)}",
-                            fix="delete the shard and re-run the command that wrote the store")
+            raise self._corrupted(f"its header does not describe readable tensors ({type(e).__name__}: "
+                                  f"{str(e)[:80]})") from None
+        wrong = [f"{n} ({'missing' if n not in self.spec else 'a ' + str(self.spec[n][0]) + ' ' + str(self.spec[n][1])})"
+                 for n, (dt, row) in expected.items()
+                 if n not in self.spec or self.spec[n][0] != dt or tuple(self.spec[n][1][1:]) != row]
+        if wrong:
+            raise self._corrupted("it does not hold the store's tensors: " + ", ".join(wrong))
+        self.tokens = self.spec["input_ids"][1][0]
+        if any(shape[0] != self.tokens for _, shape, _ in self.spec.values()):
+            raise self._corrupted("its tensors have different numbers of rows")
+        self.rows = {n: (self.spec[n][2], math.prod(self.spec[n][1][1:]) * self.spec[n][0].itemsize)
+                     for n in expected}
+
+    def _corrupted(self, why: str) -> EyasError:
+        return EyasError(f"shard {self.path} is corrupted: {why}",
+                         fix="delete the shard and re-run the command that wrote the store")
+
+    def _open(self):
+        """The shard file, opened again, after checking it is still the one whose header was read."""
+        try:
+            f = open(self.path, "rb", buffering=0)  # noqa: SIM115 - the caller closes it
+        except FileNotFoundError:
+            raise EyasError(f"shard {self.path} was removed while its store was being read",
+                            fix="open the store again (rerun the command) once it is complete") from None
+        st = os.fstat(f.fileno())
+        if (st.st_ino, st.st_size, st.st_mtime_ns) != self.identity:
+            f.close()
+            raise EyasError(f"shard {self.path} was replaced or changed while its store was being read",
+                            "its samples may no longer be where the reader found them",
+                            "open the store again (rerun the command) once it is complete")
+        return f
 
     def file(self) -> io.FileIO:
         if self._file is None:
-            self._file = open(self.path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
+            self._file = self._open()
         return self._file
 
     def tensors(self) -> dict[str, torch.Tensor]:
         if self._t is None:
-            with open(self.path, "rb") as f:  # a private mapping: writes to a view never reach the file
+            with self._open() as f:  # a private mapping: writes to a view never reach the file
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
             with warnings.catch_warnings():  # frombuffer warns that the buffer is not writable: it is (a copy)
                 warnings.simplefilter("ignore", UserWarning)
@@ -357,6 +384,24 @@ class _Shard:
         if self._file is not None:
             self._file.close()
         self._file = self._t = None
+
+
+def _read_fully(f: io.FileIO, dst: np.ndarray, pos: int) -> int:
+    """Read len(dst) bytes at `pos` into dst (pread; one call reads at most about 2 GiB); the bytes read."""
+    done = 0
+    while done < len(dst):
+        if _PREADV:
+            k = os.preadv(f.fileno(), [dst[done:]], pos + done)
+        else:  # no pread (Windows; macOS before 11): seek and read, under the reader's lock
+            f.seek(pos + done)
+            k = f.readinto(dst[done:])
+        if not k:
+            break
+        done += k
+    return done
+
+
+_PREADV = hasattr(os, "preadv")
 
 
 class StoreReader:
@@ -395,6 +440,7 @@ class StoreReader:
         self.ids = [s["id"] for s in self.samples]
         self._shards: dict[str, _Shard] = {}  # every shard read so far (its layout: a few numbers)
         self._open: dict[str, _Shard] = {}  # of which those with open files or maps, least recently used first
+        self._lock = threading.RLock()
         self._unchecked = np.ones(len(self.samples), dtype=bool) if check_reads else None
 
     def _check_names(self, mpath: Path) -> None:
@@ -455,19 +501,34 @@ class StoreReader:
     def shard(self, name: str) -> _Shard:
         """Shard `name`, counted as in use: at most OPEN_FILES shards keep a file or a map open (a terabyte store
         has thousands of shards, more than a process may open), the least recently used is closed first."""
-        sh = self._shards.get(name)
-        if sh is None:
-            need = tuple(n for n in TENSORS if self.compact or not n.endswith("_exp"))
-            sh = self._shards[name] = _Shard(self.path / SHARD_DIR / name, need)
-        self._open[name] = self._open.pop(name, sh)
-        if len(self._open) > OPEN_FILES:
-            self._open.pop(next(iter(self._open))).close()
-        return sh
+        with self._lock:
+            sh = self._shards.get(name)
+            if sh is None:
+                sh = self._shards[name] = _Shard(self.path / SHARD_DIR / name, self.row_specs)
+            self._open[name] = self._open.pop(name, sh)
+            if len(self._open) > OPEN_FILES:
+                self._open.pop(next(iter(self._open))).close()
+            return sh
+
+    def _locate(self, i: int) -> tuple[dict, _Shard]:
+        """Sample i's manifest entry and its shard, checking that the sample lies inside the shard."""
+        s = self.samples[i]
+        sh = self.shard(s["shard"])
+        if not 0 <= s["offset"] <= s["offset"] + s["length"] <= sh.tokens:
+            raise EyasError(f"store {self.path}: sample {s['id']} lies at rows {s['offset']}..{s['offset'] + s['length']}"
+                            f" of shard {s['shard']}, which has {sh.tokens}", "the manifest and the shard disagree",
+                            self._fix)
+        return s, sh
+
+    @property
+    def _fix(self) -> str:
+        return (f"`eyas store verify {self.path}` lists every damaged sample; delete the shards it names and rerun "
+                "the extract (it rewrites only those), or import again")
 
     def __getitem__(self, i: int) -> StoreSample:
         """Sample i as views into the memory-mapped shard (a compact store's features decoded to bf16)."""
-        s = self.samples[i]
-        t = self.shard(s["shard"]).tensors()
+        s, sh = self._locate(i)
+        t = sh.tensors()
         sl = slice(s["offset"], s["offset"] + s["length"])
         rows = {n: t[n][sl] for n in TENSORS if n in t}
         if self._unchecked is not None and self._unchecked[i]:
@@ -487,23 +548,23 @@ class StoreReader:
         stored tensor. The kernel copies the bytes out of the page cache (pread), which runs at the speed of
         reading the files in order, where copying out of the memory map ran 0.6x that (bench/bench_extract.py).
         Nothing here touches torch: per sample, a few system calls. A sample's first read checks its checksum
-        on the bytes just copied.
+        on the bytes just copied. Safe to call from several threads (they take turns).
         """
-        s = self.samples[i]
-        sh = self.shard(s["shard"])
-        rows, f = sh.rows, sh.file()
-        o, n = s["offset"], s["length"]
-        parts = []
-        for name, (start, width) in rows.items():
-            dst = out[name][at * width:(at + n) * width]
-            if os.preadv(f.fileno(), [dst], start + o * width) != n * width:
-                raise EyasError(f"store {self.path}: shard {s['shard']} ends inside sample {s['id']} (row "
-                                f"{s['row']})", "the shard was cut short after it was opened",
-                                f"`eyas store verify {self.path}` names the damaged shards; delete them and rerun "
-                                "the extract (it rewrites only those)")
-            parts.append(dst)
-        if self._unchecked is not None and self._unchecked[i]:
-            self._check(i, parts)
+        with self._lock:  # another thread's shard() could otherwise close this shard's file mid-read
+            s, sh = self._locate(i)
+            o, n = s["offset"], s["length"]
+            parts = []
+            for name, (start, width) in sh.rows.items():
+                dst = out[name][at * width:(at + n) * width]
+                if len(dst) != n * width:
+                    raise ValueError(f"read_into: the {name} buffer holds {len(out[name]) // width} rows, sample "
+                                     f"{s['id']} needs {at + n} (from row {at})")
+                if _read_fully(sh.file(), dst, start + o * width) != n * width:
+                    raise EyasError(f"store {self.path}: shard {s['shard']} ends inside sample {s['id']} (row "
+                                    f"{s['row']})", "the shard was cut short after it was opened", self._fix)
+                parts.append(dst)
+            if self._unchecked is not None and self._unchecked[i]:
+                self._check(i, parts)
         return n
 
     def _check(self, i: int, parts: list) -> None:
@@ -511,8 +572,7 @@ class StoreReader:
         if not matches(parts, s["checksum"]):
             raise EyasError(f"store {self.path}: shard {s['shard']}: sample {s['id']} (row {s['row']}) is "
                             "corrupted (its checksum differs)", "the shard was damaged after it was written",
-                            f"`eyas store verify {self.path}` lists every damaged sample; delete the shards it "
-                            "names and rerun the extract (it rewrites only those), or import again")
+                            self._fix)
         self._unchecked[i] = False
 
     # --- checking

@@ -210,7 +210,9 @@ def read_batch(store, micro: tuple[tuple[int, ...], ...], repeats: int = 0, pin:
     row_lengths = [[int(lengths[i]) for i in unit] for unit in micro]
     lens = [sum(r) for r in row_lengths]
     B, T = len(micro), max(lens)
-    raw = {n: torch.empty(B, T, *shape, dtype=dt, pin_memory=pin) for n, (dt, shape) in store.row_specs.items()}
+    specs = store.row_specs
+    pinned = ("aux", "final") if pin and "aux_exp" not in specs else ()  # compact: the decoded features are pinned
+    raw = {n: torch.empty(B, T, *shape, dtype=dt, pin_memory=n in pinned) for n, (dt, shape) in specs.items()}
     flat = [t.view(torch.uint8).numpy().reshape(B, -1) for t in raw.values()]  # byte views, made once a batch
     for r, unit in enumerate(micro):
         out = dict(zip(raw, (a[r] for a in flat)))
