@@ -221,6 +221,17 @@ def test_refuses_a_store_of_another_target(tiny_target, tmp_path):
         run(TrainConfig(quiet=True, store=str(path), out=str(tmp_path / "r"), **SMALL))
 
 
+def test_a_missing_shard_stops_training_unless_its_samples_are_left_out_and_counted(tiny_target, tmp_path, capsys):
+    path = write_store(tiny_target, tmp_path / "s", n=12, per_shard=4)
+    (path / "shards" / "shard-000001.safetensors").unlink()
+    with pytest.raises(EyasError, match="shard-000001.safetensors is missing") as e:
+        run(TrainConfig(quiet=True, store=str(path), out=str(tmp_path / "r"), **SMALL))
+    assert "--skip-bad-shards" in e.value.fix
+    s = run(TrainConfig(store=str(path), out=str(tmp_path / "r2"), skip_bad_shards=True, val_fraction=0.25, **SMALL))
+    assert s["skipped_samples"] == 4 and s["samples"] == 6  # 8 left, 2 of them held out for validation
+    assert "store: 4 samples left out (--skip-bad-shards), those of 1 shard(s): shard-000001" in capsys.readouterr().err
+
+
 def test_refuses_to_overwrite_a_run(store, reference):
     out, _ = reference
     with pytest.raises(EyasError, match="already holds a training run"):

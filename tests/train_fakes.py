@@ -30,17 +30,22 @@ def tiny_samples(target, n: int = 24, seed: int = 0, lengths=(12, 40), vocab_ids
     return out
 
 
-def write_store(target, path: Path, n: int = 24, seed: int = 0, **kw) -> Path:
+def write_store(target, path: Path, n: int = 24, seed: int = 0, per_shard: int = 0, **kw) -> Path:
+    """A store of `n` samples, in shards of `per_shard` samples (0: one shard)."""
     from eyas.store import SHARD_DIR, ShardBuilder, shard_name, write_manifest
 
     samples = tiny_samples(target, n, seed, **kw)
     shards_dir = Path(path) / SHARD_DIR
     shards_dir.mkdir(parents=True, exist_ok=True)
-    b = ShardBuilder(shard_name(0), sum(len(s[1]) for s in samples), target.hidden_size, compact=False)
-    for row, (sid, ids, mask, aux, final) in enumerate(samples):
-        b.add(row, sid, ids, mask, aux, final)
-    index = b.commit(shards_dir)
+    per_shard = per_shard or n
+    indexes = []
+    for k in range(0, n, per_shard):
+        part = list(enumerate(samples))[k:k + per_shard]
+        b = ShardBuilder(shard_name(k // per_shard), sum(len(s[1]) for _, s in part), target.hidden_size, compact=False)
+        for row, (sid, ids, mask, aux, final) in part:
+            b.add(row, sid, ids, mask, aux, final)
+        indexes.append(b.commit(shards_dir))
     header = {"target": target.identity(), "layer_ids": target.default_feature_layers(), "compact": False,
               "dtype": "bfloat16"}
-    write_manifest(Path(path), header, [index])
+    write_manifest(Path(path), header, indexes)
     return Path(path)

@@ -432,7 +432,8 @@ class StoreReader:
             name, why = next(iter(self.bad_shards.items()))
             raise EyasError(f"store {self.path}: shard {name} {why}" + (
                 f" (and {len(self.bad_shards) - 1} more)" if len(self.bad_shards) > 1 else ""),
-                fix="re-run the extract/import command (it rewrites missing shards), or open with skip_bad")
+                fix="re-run the extract/import command (it rewrites missing shards), or leave their samples out: "
+                    "`eyas train --skip-bad-shards`, StoreReader(..., skip_bad=True)")
         all_samples = self.manifest["samples"]
         self.samples = [s for s in all_samples if s["shard"] not in self.bad_shards]
         self.skipped = len(all_samples) - len(self.samples)

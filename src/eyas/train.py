@@ -38,6 +38,8 @@ class TrainConfig(StageConfig):
     online: bool = opt(False, "run the target in the loop to compute the features (no store; needs --data)")
     data: str = opt("", "prepared dataset folder: the samples for --online; with --store, the dataset the store "
                         "must have been extracted from (checked)")
+    skip_bad_shards: bool = opt(False, "leave out (and count) the samples of store shards that are missing or "
+                                       "truncated, instead of stopping")
     val_store: str = opt("", "hidden-state store for the validation pass; empty: hold out --val-fraction")
     val_fraction: float = opt(0.0, "share of the training samples held out for validation (without --val-store)")
     epochs: int = opt(1, "passes over the training data")
@@ -387,7 +389,7 @@ class Trainer:
         tps = self.tokens_run / max(self.loop_s, 1e-9)
         result = {"out": str(self.out), "final": str(self.out / "final"), **summary, "tokens_per_s": tps,
                   "train_loop_s": self.loop_s, "data_wait_share": wait, "elapsed_s": self.elapsed(),
-                  "audit": self.audits, "duplicate_data": bool(self.tag)}
+                  "audit": self.audits, "duplicate_data": bool(self.tag), "skipped_samples": self.skipped}
         if self.env.is_main:
             draft.save_pretrained(self.out / "final", extra={"training": summary})
             write_json(self.out / SUMMARY_FILE, result)

@@ -39,13 +39,14 @@ class Sample:
     final: torch.Tensor | None = None  # [L,H]
 
 
-def open_store(path: str):
-    """The hidden-state store reader (eyas.store), with a clear error when the folder is not a store."""
+def open_store(path: str, skip_bad: bool = False):
+    """The hidden-state store reader (eyas.store), with a clear error when the folder is not a store.
+    `skip_bad`: the samples of missing or truncated shards are left out and counted (`reader.skipped`)."""
     if not Path(path).exists():
         raise EyasError(f"store {path} not found", fix="run `eyas extract --store DIR` first, or pass --store DIR")
     from eyas.store import StoreReader
 
-    return StoreReader(path)
+    return StoreReader(path, skip_bad=skip_bad)
 
 
 def check_store_data(reader, data: str) -> None:

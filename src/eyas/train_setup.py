@@ -37,6 +37,12 @@ def setup(t) -> None:
     t.out, t.dtype, t.tag, t.bar = Path(cfg.out), resolve_dtype(cfg.dtype, env.device), "", None
     ckpt = resume_point(t)
     t.train_src, t.val_src = sources(cfg)
+    reader = getattr(t.train_src, "source", t.train_src)  # a Subset's store, when validation is held out
+    t.skipped = getattr(reader, "skipped", 0)
+    if t.skipped:
+        bad = reader.bad_shards
+        t.con.print(f"store: {fmt_int(t.skipped)} samples left out (--skip-bad-shards), those of {len(bad)} shard(s): "
+                    + "; ".join(f"{n} {why}" for n, why in list(bad.items())[:3]) + (" ..." if len(bad) > 3 else ""))
     target = load_checked_target(t)
     build_model(t, target, ckpt)
     t.target = target if cfg.online else None
@@ -114,7 +120,7 @@ def sources(cfg):
         val = PreparedSource(cfg.data, "validation") if has_val else None
         val = val if val is not None and len(val) else None
     else:
-        train = open_store(cfg.store)
+        train = open_store(cfg.store, cfg.skip_bad_shards)
         if cfg.data:  # the store must hold this prepared dataset's tokens
             check_store_data(train, cfg.data)
         val = open_store(cfg.val_store) if cfg.val_store else None
