@@ -133,6 +133,30 @@ def test_readback_equals_output_hidden_states_exactly_with_eager_attention(bf16_
         bf16_tiny.model.set_attn_implementation("sdpa")
 
 
+def test_extraction_runs_no_output_head_and_asks_for_no_hidden_states(bf16_tiny, prepared, tmp_path, monkeypatch):
+    """Only the hooked layers' outputs are kept: the output head (262k rows on gemma3-270m) never runs, and the
+    model is never asked for all its layers' hidden states."""
+    base = bf16_tiny.model.model
+    forward = base.forward
+    calls = []
+
+    def checked(*args, **kw):
+        assert not kw.get("output_hidden_states"), "the base model was asked for every layer's hidden states"
+        calls.append(1)
+        return forward(*args, **kw)
+
+    def head(*_):
+        raise AssertionError("the output head ran during extraction")
+
+    monkeypatch.setattr(base, "forward", checked)
+    handle = bf16_tiny.lm_head().register_forward_pre_hook(head)
+    try:
+        run(cfg(prepared, tmp_path / "s"), target=bf16_tiny)
+    finally:
+        handle.remove()
+    assert calls and len(StoreReader(tmp_path / "s")) == len(prepared_rows(prepared))
+
+
 def test_readback_equals_output_hidden_states_of_the_same_padded_batches(bf16_tiny, prepared, tmp_path):
     """Default (sdpa) attention: exact against the target's own states for the same right-padded batches."""
     c = cfg(prepared, tmp_path / "s")
