@@ -295,6 +295,11 @@ def test_read_into_keeps_a_bounded_number_of_shard_files_open(tmp_path, monkeypa
     bufs, out = byte_buffers(r, 20)
     r.read_into(11, out)
     assert torch.equal(bufs["input_ids"][: len(data[11][2])].long(), data[11][2])
+    r.close()  # every file given back
+    assert len(os.listdir("/proc/self/fd")) == before
+    with StoreReader(r.path) as again:
+        again.read_into(0, out), again[1]
+    assert len(os.listdir("/proc/self/fd")) == before
 
 
 def test_a_shard_replaced_or_removed_under_an_open_reader_is_named(tmp_path, monkeypatch):

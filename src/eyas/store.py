@@ -511,6 +511,19 @@ class StoreReader:
                 self._open.pop(next(iter(self._open))).close()
             return sh
 
+    def close(self) -> None:
+        """Close every open shard file and drop the maps (the reader stays usable: shards reopen on demand)."""
+        with self._lock:
+            for sh in self._open.values():
+                sh.close()
+            self._open.clear()
+
+    def __enter__(self) -> StoreReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def _locate(self, i: int) -> tuple[dict, _Shard]:
         """Sample i's manifest entry and its shard, checking that the sample lies inside the shard."""
         s = self.samples[i]
