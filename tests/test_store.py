@@ -281,25 +281,29 @@ def test_read_into_keeps_a_bounded_number_of_shard_files_open(tmp_path, monkeypa
 
     import eyas.store
 
+    def open_shards() -> int:  # this process's descriptors on the store's shards (a map holds one too)
+        fds = Path("/proc/self/fd")
+        return sum(1 for fd in fds.iterdir() if os.path.realpath(fd).startswith(str(store / SHARD_DIR)))
+
     monkeypatch.setattr(eyas.store, "OPEN_FILES", 2)
     data = samples(12)
-    r = StoreReader(build_store(tmp_path / "s", data))  # 4 shards of 3 samples
+    store = build_store(tmp_path / "s", data)  # 4 shards of 3 samples
+    r = StoreReader(store)
     _, out = byte_buffers(r, 20)
-    before = len(os.listdir("/proc/self/fd"))
     for i in [0, 3, 6, 9, 1, 4, 7, 10, 2]:
         r.read_into(i, out)
-        assert len(os.listdir("/proc/self/fd")) - before <= 4  # 2 shards, each a file and a map at most
-        assert r[i].id == data[i][1]  # the mapped reader too (each map holds a file descriptor)
-        assert len(os.listdir("/proc/self/fd")) - before <= 4
-    assert StoreReader(r.path).verify() == []  # and verify, which reads every shard
+        assert open_shards() <= 4  # 2 shards, each a file and a map at most
+        assert r[i].id == data[i][1]  # the mapped reader too
+        assert open_shards() <= 4
+    assert StoreReader(store).verify() == []  # and verify, which reads every shard
     bufs, out = byte_buffers(r, 20)
     r.read_into(11, out)
     assert torch.equal(bufs["input_ids"][: len(data[11][2])].long(), data[11][2])
     r.close()  # every file given back
-    assert len(os.listdir("/proc/self/fd")) == before
-    with StoreReader(r.path) as again:
+    assert open_shards() == 0
+    with StoreReader(store) as again:
         again.read_into(0, out), again[1]
-    assert len(os.listdir("/proc/self/fd")) == before
+    assert open_shards() == 0
 
 
 def test_a_shard_replaced_or_removed_under_an_open_reader_is_named(tmp_path, monkeypatch):
@@ -394,3 +398,45 @@ def test_threads_sharing_a_reader_read_every_sample_right(tmp_path, monkeypatch)
     for t in threads:
         t.join()
     assert errors == []
+
+
+def test_a_shard_copied_back_unchanged_under_an_open_reader_still_reads(tmp_path, monkeypatch):
+    """A new inode and time with the same size and header bytes (a copy, a re-extraction that wrote the same
+    bytes, a file system without stable inodes) is the same shard: no false alarm."""
+    import shutil
+
+    import eyas.store
+
+    monkeypatch.setattr(eyas.store, "OPEN_FILES", 1)
+    data = samples(6)
+    store = build_store(tmp_path / "s", data)
+    r = StoreReader(store)
+    bufs, out = byte_buffers(r, 20)
+    r.read_into(0, out), r.read_into(3, out)  # shard 0 opened, then closed
+    shard0 = store / SHARD_DIR / shard_name(0)
+    shutil.copy(shard0, tmp_path / "copy")
+    (tmp_path / "copy").replace(shard0)
+    n = r.read_into(1, out)
+    assert torch.equal(bufs["input_ids"][:n].long(), data[1][2])
+
+
+@pytest.mark.parametrize("damage", ["a list", "binary", "a sample without length", "an offset as text",
+                                    "a shard without size", "no target"])
+def test_a_damaged_manifest_is_named_never_a_raw_error(tmp_path, damage):
+    store = build_store(tmp_path / "s", samples(3))
+    path = store / "manifest.json"
+    m = json.loads(path.read_text())
+    if damage == "a list":
+        m = [m]
+    elif damage == "a sample without length":
+        del m["samples"][1]["length"]
+    elif damage == "an offset as text":
+        m["samples"][2]["offset"] = "0"
+    elif damage == "a shard without size":
+        del m["shards"][0]["bytes"]
+    elif damage == "no target":
+        del m["target"]
+    path.write_bytes(b"\xff\xfe\x00garbage" if damage == "binary" else json.dumps(m).encode())
+    with pytest.raises(EyasError, match="manifest.json is (damaged|corrupted)") as e:
+        StoreReader(store)
+    assert "re-run the command that wrote the store" in e.value.fix

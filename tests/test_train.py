@@ -223,13 +223,23 @@ def test_refuses_a_store_of_another_target(tiny_target, tmp_path):
 
 def test_a_missing_shard_stops_training_unless_its_samples_are_left_out_and_counted(tiny_target, tmp_path, capsys):
     path = write_store(tiny_target, tmp_path / "s", n=12, per_shard=4)
-    (path / "shards" / "shard-000001.safetensors").unlink()
+    shard = path / "shards" / "shard-000001.safetensors"
+    saved = shard.read_bytes()
+    shard.unlink()
     with pytest.raises(EyasError, match="shard-000001.safetensors is missing") as e:
         run(TrainConfig(quiet=True, store=str(path), out=str(tmp_path / "r"), **SMALL))
     assert "--skip-bad-shards" in e.value.fix
-    s = run(TrainConfig(store=str(path), out=str(tmp_path / "r2"), skip_bad_shards=True, val_fraction=0.25, **SMALL))
+    cfg = dict(store=str(path), out=str(tmp_path / "r2"), val_fraction=0.25, checkpoint_every=2, **SMALL)
+    s = run(TrainConfig(quiet=True, skip_bad_shards=True, **cfg))
     assert s["skipped_samples"] == 4 and s["samples"] == 6  # 8 left, 2 of them held out for validation
     assert "store: 4 samples left out (--skip-bad-shards), those of 1 shard(s): shard-000001" in capsys.readouterr().err
+    plan = json.loads((tmp_path / "r2" / "plan.json").read_text())
+    assert plan["data"] == {"samples": 8, "skipped_samples": 4, "skipped_shards": ["shard-000001.safetensors"]}
+    run(TrainConfig(quiet=True, skip_bad_shards=True, resume=True, **cfg))  # the same data: resumes
+    shard.write_bytes(saved)  # the shard is back: 12 samples, another epoch order
+    with pytest.raises(EyasError, match="training data changed .*8 samples then.*12 now") as e:
+        run(TrainConfig(quiet=True, skip_bad_shards=True, resume=True, **cfg))
+    assert "another --out" in e.value.fix
 
 
 def test_refuses_to_overwrite_a_run(store, reference):

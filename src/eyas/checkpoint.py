@@ -265,7 +265,8 @@ def load_checkpoint(folder: str | Path) -> tuple[dict, dict, dict]:
 
 # Settings that may change between a run and its resumption: they do not change what is computed.
 RESUMABLE_CHANGES = {"quiet", "json", "resume", "checkpoint_every", "keep_checkpoints", "tensorboard", "threads",
-                     "prefetch", "device"}
+                     "prefetch", "device",
+                     "skip_bad_shards"}  # the data it leaves out is compared on its own (train_setup.skipped_data)
 
 
 def check_resumable(folder: Path, state: dict, config: dict, world_size: int) -> None:

@@ -32,6 +32,7 @@ import threading
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Self
 
 import numpy as np
 import torch
@@ -179,19 +180,21 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
     return 8 + len(blob) + pos
 
 
-def read_header(path: Path) -> tuple[dict, int]:
-    """(header, offset of the data section); an EyasError naming the file when it is not a whole shard."""
+def read_header(path: Path, f: io.FileIO | None = None) -> tuple[dict, int]:
+    """(header, offset of the data section); an EyasError naming the file when it is not a whole shard.
+    `f`: the shard already open (its size and header are then read from it, not from the path again)."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > size - 8:
-                raise ValueError(f"header of {n} bytes in a {size}-byte file")
-            header = json.loads(f.read(n))
-    except FileNotFoundError:
-        raise EyasError(f"shard {path} is missing", fix="re-run the command that wrote the store") from None
-    except (ValueError, struct.error, UnicodeDecodeError) as e:
-        raise EyasError(f"shard {path} is corrupted: unreadable header ({e})",
+        if f is None:
+            with open_shard(path) as g:
+                return read_header(path, g)
+        size = os.fstat(f.fileno()).st_size
+        f.seek(0)
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > size - 8:
+            raise ValueError(f"header of {n} bytes in a {size}-byte file")
+        header = json.loads(f.read(n))
+    except (ValueError, struct.error, UnicodeDecodeError, RecursionError) as e:
+        raise EyasError(f"shard {path} is corrupted: unreadable header ({str(e)[:120]})",
                         fix="delete the shard and re-run the command that wrote the store") from None
     try:
         end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
@@ -202,6 +205,17 @@ def read_header(path: Path) -> tuple[dict, int]:
         raise EyasError(f"shard {path} is truncated: {size:,} bytes, its header describes {8 + n + end:,}",
                         fix="delete the shard and re-run the command that wrote the store (finished shards are kept)")
     return header, 8 + n
+
+
+def open_shard(path: Path) -> io.FileIO:
+    """The shard file, opened for reading; an EyasError saying why it cannot be."""
+    try:
+        return open(path, "rb", buffering=0)  # the caller closes it
+    except FileNotFoundError:
+        raise EyasError(f"shard {path} is missing", fix="re-run the command that wrote the store") from None
+    except OSError as e:
+        raise EyasError(f"shard {path} cannot be read: {e.strerror}",
+                        fix="check the file's permissions and the disk it is on") from None
 
 
 def shard_index(path: Path) -> dict:
@@ -317,9 +331,10 @@ class _Shard:
     no copy). `close` gives both back; reopening checks that the file is still the one whose header was read."""
 
     def __init__(self, path: Path, expected: dict[str, tuple[torch.dtype, tuple[int, ...]]]):
-        header, start = read_header(path)
-        st = path.stat()
-        self.path, self.identity, self.spec = path, (st.st_ino, st.st_size, st.st_mtime_ns), {}
+        with open_shard(path) as f:  # the header and the identity of one and the same file
+            header, start = read_header(path, f)
+            self.path, self.spec, self.start = path, {}, start
+            self.identity, self.head = self._identity(f), self._head(f)
         self._file = self._t = None
         try:
             for name, spec in header.items():
@@ -333,7 +348,7 @@ class _Shard:
         except (KeyError, TypeError, ValueError, AttributeError) as e:  # a damaged header: dtype, shape, offsets
             raise self._corrupted(f"its header does not describe readable tensors ({type(e).__name__}: "
                                   f"{str(e)[:80]})") from None
-        wrong = [f"{n} ({'missing' if n not in self.spec else 'a ' + str(self.spec[n][0]) + ' ' + str(self.spec[n][1])})"
+        wrong = [n + (f" (a {self.spec[n][0]} {self.spec[n][1]})" if n in self.spec else " (missing)")
                  for n, (dt, row) in expected.items()
                  if n not in self.spec or self.spec[n][0] != dt or tuple(self.spec[n][1][1:]) != row]
         if wrong:
@@ -348,19 +363,32 @@ class _Shard:
         return EyasError(f"shard {self.path} is corrupted: {why}",
                          fix="delete the shard and re-run the command that wrote the store")
 
-    def _open(self):
-        """The shard file, opened again, after checking it is still the one whose header was read."""
-        try:
-            f = open(self.path, "rb", buffering=0)  # noqa: SIM115 - the caller closes it
-        except FileNotFoundError:
-            raise EyasError(f"shard {self.path} was removed while its store was being read",
-                            fix="open the store again (rerun the command) once it is complete") from None
+    @staticmethod
+    def _identity(f) -> tuple[int, int, int]:
         st = os.fstat(f.fileno())
-        if (st.st_ino, st.st_size, st.st_mtime_ns) != self.identity:
-            f.close()
-            raise EyasError(f"shard {self.path} was replaced or changed while its store was being read",
-                            "its samples may no longer be where the reader found them",
-                            "open the store again (rerun the command) once it is complete")
+        return st.st_ino, st.st_size, st.st_mtime_ns
+
+    def _head(self, f) -> bytes:
+        """A digest of the header's bytes, which hold every sample's place and checksum."""
+        f.seek(0)
+        return xxhash.xxh3_128(f.read(self.start)).digest()
+
+    def _open(self):
+        """The shard file, opened again, after checking it is still the one whose header was read: the same
+        inode, size and modification time, or else (a copy, a file system without stable inodes) the same size
+        and header bytes."""
+        if not self.path.is_file():
+            raise EyasError(f"shard {self.path} was removed while its store was being read",
+                            fix="open the store again (rerun the command) once it is complete")
+        f = open_shard(self.path)
+        identity = self._identity(f)
+        if identity != self.identity:
+            if identity[1] != self.identity[1] or self._head(f) != self.head:
+                f.close()
+                raise EyasError(f"shard {self.path} was replaced or changed while its store was being read",
+                                "its samples may no longer be where the reader found them",
+                                "open the store again (rerun the command) once it is complete")
+            self.identity = identity
         return f
 
     def file(self) -> io.FileIO:
@@ -404,6 +432,28 @@ def _read_fully(f: io.FileIO, dst: np.ndarray, pos: int) -> int:
 _PREADV = hasattr(os, "preadv")
 
 
+_SAMPLE_FIELDS = {"id": str, "shard": str, "row": int, "offset": int, "length": int}
+
+
+def manifest_problem(m) -> str | None:
+    """What makes `m` unreadable as a manifest (the types the reader relies on), or None."""
+    if not isinstance(m, dict):
+        return "it is not a JSON object"
+    for key, kind in (("target", dict), ("shards", list), ("samples", list)):
+        if not isinstance(m.get(key), kind):
+            return f"its {key!r} is missing or not a {'list' if kind is list else 'mapping'}"
+    if type(m["target"].get("hidden_size")) is not int:
+        return "its target has no hidden_size"
+    for k, sh in enumerate(m["shards"]):
+        if not isinstance(sh, dict) or not isinstance(sh.get("name"), str) or type(sh.get("bytes")) is not int:
+            return f"shard entry {k} lacks a name or a size in bytes"
+    for k, s in enumerate(m["samples"]):
+        if not isinstance(s, dict) or any(type(s.get(f)) is not t for f, t in _SAMPLE_FIELDS.items()) \
+                or s["offset"] < 0 or s["length"] < 0:
+            return f"sample entry {k} lacks an id, shard, row, offset or length, or one has the wrong type"
+    return None
+
+
 class StoreReader:
     """Random access to a store's samples: `reader[i]` returns zero-copy views into the memory-mapped shards,
     `reader.read_into(i, buffers)` copies the sample's stored rows into the caller's buffers (the trainer's way).
@@ -422,8 +472,12 @@ class StoreReader:
                                 "an interrupted extract writes it when rerun to completion")
         try:
             self.manifest = json.loads(mpath.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise EyasError(f"{mpath} is corrupted: {e}", fix="re-run the command that wrote the store") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise EyasError(f"{mpath} is corrupted: {str(e)[:120]}",
+                            fix="re-run the command that wrote the store") from None
+        if (why := manifest_problem(self.manifest)) is not None:
+            raise EyasError(f"{mpath} is damaged: {why}", fix="re-run the command that wrote the store "
+                            "(never edit a manifest by hand)")
         if self.manifest.get("format") != FORMAT or self.manifest.get("version") != VERSION:
             raise EyasError(f"{mpath} is not an eyas store of version {VERSION}", fix="re-extract with this eyas")
         self._check_names(mpath)
@@ -518,7 +572,7 @@ class StoreReader:
                 sh.close()
             self._open.clear()
 
-    def __enter__(self) -> StoreReader:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -541,10 +595,11 @@ class StoreReader:
 
     def __getitem__(self, i: int) -> StoreSample:
         """Sample i as views into the memory-mapped shard (a compact store's features decoded to bf16)."""
-        s, sh = self._locate(i)
-        t = sh.tensors()
+        with self._lock:
+            s, sh = self._locate(i)
+            t = sh.tensors()
         sl = slice(s["offset"], s["offset"] + s["length"])
-        rows = {n: t[n][sl] for n in TENSORS if n in t}
+        rows = {n: t[n][sl] for n in sh.rows}
         if self._unchecked is not None and self._unchecked[i]:
             self._check(i, list(rows.values()))
         aux, final = features(rows)
@@ -573,7 +628,13 @@ class StoreReader:
                 if len(dst) != n * width:
                     raise ValueError(f"read_into: the {name} buffer holds {len(out[name]) // width} rows, sample "
                                      f"{s['id']} needs {at + n} (from row {at})")
-                if _read_fully(sh.file(), dst, start + o * width) != n * width:
+                try:
+                    got = _read_fully(sh.file(), dst, start + o * width)
+                except OSError as e:
+                    raise EyasError(f"store {self.path}: shard {s['shard']}: reading sample {s['id']} failed: "
+                                    f"{e.strerror}", "the disk or file system reported an error",
+                                    f"check the disk (dmesg), then `eyas store verify {self.path}`") from None
+                if got != n * width:
                     raise EyasError(f"store {self.path}: shard {s['shard']} ends inside sample {s['id']} (row "
                                     f"{s['row']})", "the shard was cut short after it was opened", self._fix)
                 parts.append(dst)
@@ -609,7 +670,8 @@ class StoreReader:
 
     def _verify_shard(self, name: str, samples: list[dict]) -> list[str]:
         try:
-            t = self.shard(name).tensors()
+            sh = self.shard(name)
+            t = sh.tensors()
         except EyasError as e:
             return [str(e).split("\n")[0]]  # unreadable, or lacking tensors
         problems = []
@@ -618,6 +680,6 @@ class StoreReader:
             sl = slice(s["offset"], s["offset"] + s["length"])
             if sl.stop > rows:
                 problems.append(f"shard {name}: sample {s['id']} ends at row {sl.stop}, the shard has {rows}")
-            elif not matches([t[n][sl] for n in TENSORS if n in t], s["checksum"]):
+            elif not matches([t[n][sl] for n in sh.rows], s["checksum"]):
                 problems.append(f"shard {name}: sample {s['id']} (row {s['row']}) is corrupted (checksum differs)")
         return problems

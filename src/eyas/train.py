@@ -357,7 +357,7 @@ class Trainer:
                      "tokens_seen_global": self.tokens_seen, "epoch_samples_global": self.epoch_samples,
                      "elapsed_s": self.elapsed(), "config": self.cfg.to_dict(), "rng": rngs,
                      "scheduler": {"step": self.step, "total": self.total_steps, "warmup": self.warmup_steps},
-                     "vocab": self.vocab_info, "training": self.training_summary()}
+                     "vocab": self.vocab_info, "training": self.training_summary(), "data": self.data_record}
             save_checkpoint(self.out, self.step, draft, optim, state, self.cfg.keep_checkpoints)
         dist.barrier(self.env)
 

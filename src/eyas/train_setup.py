@@ -37,18 +37,34 @@ def setup(t) -> None:
     t.out, t.dtype, t.tag, t.bar = Path(cfg.out), resolve_dtype(cfg.dtype, env.device), "", None
     ckpt = resume_point(t)
     t.train_src, t.val_src = sources(cfg)
-    reader = getattr(t.train_src, "source", t.train_src)  # a Subset's store, when validation is held out
-    t.skipped = getattr(reader, "skipped", 0)
-    if t.skipped:
-        bad = reader.bad_shards
-        t.con.print(f"store: {fmt_int(t.skipped)} samples left out (--skip-bad-shards), those of {len(bad)} shard(s): "
-                    + "; ".join(f"{n} {why}" for n, why in list(bad.items())[:3]) + (" ..." if len(bad) > 3 else ""))
+    skipped_data(t, ckpt)
     target = load_checked_target(t)
     build_model(t, target, ckpt)
     t.target = target if cfg.online else None
     make_plan(t)
     counters(t, ckpt)
     t.metrics = MetricsLog(t.out, t.step, cfg.tensorboard) if env.is_main else NullMetrics()
+
+
+def skipped_data(t, ckpt) -> None:
+    """Say which store samples --skip-bad-shards left out, and refuse to resume on other data than the
+    checkpoint's: the epoch order, and the position within it, are computed over the samples."""
+    reader = getattr(t.train_src, "source", t.train_src)  # a Subset's store, when validation is held out
+    t.skipped = getattr(reader, "skipped", 0)
+    bad = getattr(reader, "bad_shards", {}) if t.skipped else {}
+    t.data_record = {"samples": len(reader), "skipped_samples": t.skipped, "skipped_shards": sorted(bad)}
+    if t.skipped:
+        t.con.print(f"store: {fmt_int(t.skipped)} samples left out (--skip-bad-shards), those of {len(bad)} shard(s): "
+                    + "; ".join(f"{n} {why}" for n, why in list(bad.items())[:3]) + (" ..." if len(bad) > 3 else ""),
+                    force=True)
+    before = ckpt[3].get("data") if ckpt else None
+    if before is not None and before != t.data_record:
+        raise EyasError(f"cannot resume {ckpt[0]}: the training data changed since the run that wrote it "
+                        f"({before['samples']:,} samples then, shards left out {before['skipped_shards'] or 'none'}; "
+                        f"{t.data_record['samples']:,} now, left out {t.data_record['skipped_shards'] or 'none'})",
+                        "the epoch order and the position within it are computed over the samples",
+                        "restore the store as it was when the run started, or start a new run in another --out "
+                        "folder")
 
 
 def tune_process(threads: int, env) -> int:
@@ -123,7 +139,7 @@ def sources(cfg):
         train = open_store(cfg.store, cfg.skip_bad_shards)
         if cfg.data:  # the store must hold this prepared dataset's tokens
             check_store_data(train, cfg.data)
-        val = open_store(cfg.val_store) if cfg.val_store else None
+        val = open_store(cfg.val_store, cfg.skip_bad_shards) if cfg.val_store else None
     if len(train) == 0:
         raise EyasError(f"the training data {cfg.data if cfg.online else cfg.store} has no samples",
                         fix="extract (or prepare) some data first")
@@ -252,7 +268,8 @@ def make_plan(t) -> None:
         t.con.print(line)
     t.plan_json = {**t.plan.to_dict(), "optimizer_steps_run": t.total_steps, "steps_per_epoch_actual":
                    t.steps_per_epoch, "max_tokens": cfg.max_tokens, "units_per_epoch": units, "vocab": v,
-                   "dtype": t.dtype, "threads_per_rank": t.threads, "parallel": cfg.parallel, "lines": lines}
+                   "dtype": t.dtype, "threads_per_rank": t.threads, "parallel": cfg.parallel, "lines": lines,
+                   "data": t.data_record}
     if env.is_main:
         write_json(t.out / "plan.json", t.plan_json)
 
