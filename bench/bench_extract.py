@@ -131,12 +131,11 @@ def read_random(store: Path, passes: int, seed: int, shuffle: bool = True, check
             if mapped:
                 s = reader[i]
                 n = len(s.input_ids)
-                for name in ("aux", "final", "loss_mask"):
+                for name in ("input_ids", "loss_mask", "aux", "final"):
                     bufs[name][:n].copy_(getattr(s, name))
-                bufs["input_ids"][:n].copy_(s.input_ids)
             else:
                 n = reader.read_into(i, views)
-            total += n * (4 + 1 + 8 * H)  # the bytes stored: int32 ids, int8 mask, 4 x H bf16 features
+            total += n * bytes_per_token(H, compact=False)  # the bytes stored
     return time.perf_counter() - t0, total
 
 
@@ -150,7 +149,7 @@ def read_batches(store: Path, passes: int, max_tokens: int) -> tuple[float, int]
     total = 0
     for epoch in range(passes):
         for micro in shard_epoch(reader.lengths, epoch, 0, spec).micro_batches:
-            total += load_micro_batch(reader, micro).tokens * (4 + 1 + 8 * reader.hidden_size)
+            total += load_micro_batch(reader, micro).tokens * bytes_per_token(reader.hidden_size, compact=False)
     return time.perf_counter() - t0, total
 
 

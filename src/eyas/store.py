@@ -500,12 +500,8 @@ class StoreReader:
 
     def _check_names(self, mpath: Path) -> None:
         """Every shard the manifest names is a plain file name in STORE/shards, never a path."""
-        try:
-            names = {s["name"] for s in self.manifest["shards"]} | {s["shard"] for s in self.manifest["samples"]}
-        except (KeyError, TypeError) as e:
-            raise EyasError(f"{mpath} is damaged: its shard or sample lists lack {e}",
-                            fix="re-run the command that wrote the store") from None
-        bad = [n for n in names if not (isinstance(n, str) and SHARD_FILE.fullmatch(n))]
+        names = {s["name"] for s in self.manifest["shards"]} | {s["shard"] for s in self.manifest["samples"]}
+        bad = [n for n in names if not SHARD_FILE.fullmatch(n)]  # strings: manifest_problem checked the types
         if bad:
             raise EyasError(f"{mpath} names the shard {bad[0]!r}, which is not a file name in {self.path / SHARD_DIR}",
                             "a store reads only its own shards/ folder; a path there could read any file",
@@ -675,11 +671,10 @@ class StoreReader:
         except EyasError as e:
             return [str(e).split("\n")[0]]  # unreadable, or lacking tensors
         problems = []
-        rows = len(t["input_ids"])
         for s in samples:
             sl = slice(s["offset"], s["offset"] + s["length"])
-            if sl.stop > rows:
-                problems.append(f"shard {name}: sample {s['id']} ends at row {sl.stop}, the shard has {rows}")
+            if sl.stop > sh.tokens:
+                problems.append(f"shard {name}: sample {s['id']} ends at row {sl.stop}, the shard has {sh.tokens}")
             elif not matches([t[n][sl] for n in sh.rows], s["checksum"]):
                 problems.append(f"shard {name}: sample {s['id']} (row {s['row']}) is corrupted (checksum differs)")
         return problems

@@ -389,7 +389,7 @@ class Trainer:
         tps = self.tokens_run / max(self.loop_s, 1e-9)
         result = {"out": str(self.out), "final": str(self.out / "final"), **summary, "tokens_per_s": tps,
                   "train_loop_s": self.loop_s, "data_wait_share": wait, "elapsed_s": self.elapsed(),
-                  "audit": self.audits, "duplicate_data": bool(self.tag), "skipped_samples": self.skipped}
+                  "audit": self.audits, "duplicate_data": bool(self.tag), "skipped_samples": self.data_record["skipped_samples"]}
         if self.env.is_main:
             draft.save_pretrained(self.out / "final", extra={"training": summary})
             write_json(self.out / SUMMARY_FILE, result)

@@ -50,11 +50,11 @@ def skipped_data(t, ckpt) -> None:
     """Say which store samples --skip-bad-shards left out, and refuse to resume on other data than the
     checkpoint's: the epoch order, and the position within it, are computed over the samples."""
     reader = getattr(t.train_src, "source", t.train_src)  # a Subset's store, when validation is held out
-    t.skipped = getattr(reader, "skipped", 0)
-    bad = getattr(reader, "bad_shards", {}) if t.skipped else {}
-    t.data_record = {"samples": len(reader), "skipped_samples": t.skipped, "skipped_shards": sorted(bad)}
-    if t.skipped:
-        t.con.print(f"store: {fmt_int(t.skipped)} samples left out (--skip-bad-shards), those of {len(bad)} shard(s): "
+    skipped = getattr(reader, "skipped", 0)
+    bad = getattr(reader, "bad_shards", {}) if skipped else {}
+    t.data_record = {"samples": len(reader), "skipped_samples": skipped, "skipped_shards": sorted(bad)}
+    if skipped:
+        t.con.print(f"store: {fmt_int(skipped)} samples left out (--skip-bad-shards), those of {len(bad)} shard(s): "
                     + "; ".join(f"{n} {why}" for n, why in list(bad.items())[:3]) + (" ..." if len(bad) > 3 else ""),
                     force=True)
     before = ckpt[3].get("data") if ckpt else None
