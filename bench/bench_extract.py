@@ -38,25 +38,26 @@ from pathlib import Path
 
 import torch
 
-from eyas.extract import (
+from eyas.core.target import load_target
+from eyas.store.extract import (
     ExtractConfig,
     open_prepared,
     plan_batches,
     plan_shards,
     tune_allocator,
 )
-from eyas.extract import run as extract
-from eyas.sharding import ShardSpec, shard_epoch
-from eyas.store import SHARD_DIR, StoreReader, bytes_per_token
-from eyas.target import load_target
-from eyas.train_data import load_micro_batch
+from eyas.store.extract import run as extract
+from eyas.store.layout import SHARD_DIR, bytes_per_token
+from eyas.store.reader import StoreReader
+from eyas.train.data import load_micro_batch
+from eyas.train.sharding import ShardSpec, shard_epoch
 
 
 def prepared_dataset(args, out: Path) -> Path:
     if args.data:
         return Path(args.data)
-    from eyas.prepare import PrepareConfig
-    from eyas.prepare import run as prepare
+    from eyas.data.prepare import PrepareConfig
+    from eyas.data.prepare import run as prepare
 
     folder = out / f"prepared-{args.target}-{args.samples}"
     if not (folder / "summary.json").is_file():

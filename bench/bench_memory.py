@@ -1,7 +1,7 @@
-"""Weights in 2 MiB pages against the same weights in 4 KiB pages, side by side in one run (eyas.memory).
+"""Weights in 2 MiB pages against the same weights in 4 KiB pages, side by side in one run (eyas.core.memory).
 
 Times a one-token forward step (B=1) of the target's lean decoder and its output head alone, with the weights
-as transformers loaded them and after `eyas.memory` moved them into huge pages, alternating the two.
+as transformers loaded them and after `eyas.core.memory` moved them into huge pages, alternating the two.
 
     python bench/bench_memory.py      # sets EYAS_HUGEPAGES=0 itself, so that load_target leaves the weights alone
 """
@@ -17,9 +17,9 @@ os.environ["EYAS_HUGEPAGES"] = "0"  # the bench moves the weights itself, for th
 
 import torch  # noqa: E402
 
-from eyas import memory  # noqa: E402
-from eyas.generate import BatchGenerator  # noqa: E402
-from eyas.target import load_target  # noqa: E402
+from eyas.core import memory
+from eyas.core.generate import BatchGenerator  # noqa: E402
+from eyas.core.target import load_target  # noqa: E402
 
 
 def timed(fn, n: int) -> float:

@@ -101,7 +101,7 @@ def _trainable(module) -> int:
 
 
 def _hook_eyas() -> None:
-    from eyas.train import Trainer
+    from eyas.train.trainer import Trainer
 
     def after(t, a):  # train_epoch(epoch, shard, start, bar); shard ids are store rows
         own, rep = a[1].sample_ids()
@@ -154,15 +154,15 @@ def _hook_specforge() -> None:
 def _eyas(*argv: str) -> None:
     print("$ eyas " + " ".join(argv), flush=True)
     if subprocess.run([sys.executable, "-m", "eyas", *argv, "--quiet"], check=False).returncode != 0:
-        from eyas.errors import EyasError
+        from eyas.core.errors import EyasError
 
         raise EyasError(f"bench: `eyas {' '.join(argv)}` failed", fix="see its message above")
 
 
 def build_data(args) -> dict:
     """Prepared data, the eyas store, the peers' layouts and a verifier folder, cached by a hash of the settings."""
-    from eyas.paths import cache_dir
-    from eyas.store import StoreReader
+    from eyas.core.paths import cache_dir
+    from eyas.store.reader import StoreReader
 
     gsm8k = Path(args.gsm8k)
     key = {"samples": args.samples, "target": args.target, "layers": args.layers, "dtype": args.extract_dtype,
@@ -201,7 +201,7 @@ def write_verifier(target: str, out: Path) -> None:
     """The target's HF folder (symlinks) plus the model.safetensors.index.json SpecForge's loaders need."""
     from safetensors import safe_open
 
-    from eyas.target import resolve_source
+    from eyas.core.target import resolve_source
 
     src = resolve_source(target)[1]
     for f in src.iterdir():
@@ -225,7 +225,7 @@ def write_speculators(store, target: str, out: Path) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from eyas.store_import import target_parts
+    from eyas.store.importers import target_parts
 
     norm = target_parts(target, True)[3]
     w = norm.weight.detach().float()  # [H]
@@ -324,7 +324,7 @@ def run_one(args, d, trainer: str, nproc: int, threads: int, run_dir: Path) -> d
     wall = time.perf_counter() - t0
     (run_dir / "log.txt").write_text(f"$ {' '.join(cmd)}\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr}")
     if p.returncode != 0:
-        from eyas.errors import EyasError
+        from eyas.core.errors import EyasError
 
         raise EyasError(f"bench: {trainer} ({nproc} x {threads}) failed with status {p.returncode}",
                         p.stderr[-2500:], f"read {run_dir / 'log.txt'}")
@@ -430,7 +430,7 @@ def print_table(summary: dict) -> None:
 # ---------------------------------------------------------------- main
 
 def check_peers(python: str) -> None:
-    from eyas.errors import EyasError
+    from eyas.core.errors import EyasError
 
     if not (Path(python).is_file() and subprocess.run([python, "-c", "import speculators, specforge"],
                                                       capture_output=True, check=False).returncode == 0):
@@ -441,7 +441,7 @@ def check_peers(python: str) -> None:
 
 
 def parse_args(argv: list[str]):
-    from eyas.paths import shared_data_dir
+    from eyas.core.paths import shared_data_dir
 
     data = shared_data_dir()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -476,8 +476,8 @@ def parse_args(argv: list[str]):
 def main() -> None:
     if sys.argv[1:2] == [SHIM]:
         return _shim(sys.argv[2:])
-    from eyas.errors import EyasError
-    from eyas.log import write_json
+    from eyas.core.errors import EyasError
+    from eyas.core.log import write_json
 
     args = parse_args(sys.argv[1:])
     t0 = time.perf_counter()

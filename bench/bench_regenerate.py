@@ -26,8 +26,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
 
-    from eyas.generate import BatchGenerator
-    from eyas.target import load_target
+    from eyas.core.generate import BatchGenerator
+    from eyas.core.target import load_target
 
     target = load_target(args.target, dtype=args.dtype)
     lean = BatchGenerator(target)

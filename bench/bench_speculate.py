@@ -28,7 +28,7 @@ import torch
 def latency_tables(target, layers, qs, reps, prefix):
     from transformers import DynamicCache
 
-    from eyas.speculate_target import HFRunner, LeanRunner, measure_latency
+    from eyas.speculate.runner import HFRunner, LeanRunner, measure_latency
 
     out = {"lean": measure_latency(LeanRunner(target, layers), qs, prefix=prefix, reps=reps)}
     hf = HFRunner(target, layers)
@@ -52,8 +52,8 @@ def latency_tables(target, layers, qs, reps, prefix):
 @torch.inference_mode()
 def draft_times(target, draft, reps=20, prefix=300):
     """Median ms of one propose: a catch-up of 4 positions (a round that accepted 3) then k-1 chain steps."""
-    from eyas.speculate_drafters import Eagle3Drafter
-    from eyas.speculate_target import LeanRunner
+    from eyas.speculate.drafters import Eagle3Drafter
+    from eyas.speculate.runner import LeanRunner
 
     runner = LeanRunner(target, draft.cfg.feature_layers)
     ids = torch.randint(0, 40000, (prefix,))
@@ -86,8 +86,8 @@ def main(argv=None):
     ap.add_argument("--out", default="/tmp/eyas-bench-speculate")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from eyas.evaluate import EvalConfig, load_draft, run
-    from eyas.target import load_target
+    from eyas.core.target import load_target
+    from eyas.speculate.evaluate import EvalConfig, load_draft, run
 
     target = load_target(args.target, dtype=args.dtype)
     draft = load_draft("untrained", target, target.device, target.dtype)
@@ -98,7 +98,7 @@ def main(argv=None):
         for k, t in tables.items():
             print(f"t(q) ms {k:>13}: " + "  ".join(f"{q}:{1000 * v:6.1f} ({v / t[1]:.2f})" for q, v in t.items()))
     if "draft" not in args.skip:
-        from eyas.speculate_drafters import quantize_int8
+        from eyas.speculate.drafters import quantize_int8
 
         for name, d in (("draft", draft), ("draft_int8", quantize_int8(draft))):
             res[name] = draft_times(target, d)

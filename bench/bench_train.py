@@ -58,13 +58,13 @@ def overhead(args, work: Path, extra: list[str]) -> dict:
     """Median wall time of the trainer's loop vs a bare loop over the same batches (one process)."""
     import torch
 
-    from eyas import dist
-    from eyas.config import from_mapping
-    from eyas.log import NullConsole
-    from eyas.sharding import shard_epoch
-    from eyas.train import TrainConfig, Trainer
-    from eyas.train_data import load_micro_batch, needed_rows, sparse_target_logp
-    from eyas.train_engine import autocast
+    from eyas.core import dist
+    from eyas.core.config import from_mapping
+    from eyas.core.log import NullConsole
+    from eyas.train.data import load_micro_batch, needed_rows, sparse_target_logp
+    from eyas.train.engine import autocast
+    from eyas.train.sharding import shard_epoch
+    from eyas.train.trainer import TrainConfig, Trainer
 
     def trainer(tag: str) -> Trainer:
         out = work / f"overhead-{tag}"

@@ -25,9 +25,9 @@ import time
 import tomllib
 from pathlib import Path
 
-from eyas.config import from_mapping, to_argv
-from eyas.demo import stages_from_toml
-from eyas.train import TrainConfig
+from eyas.core.config import from_mapping, to_argv
+from eyas.pipeline.demo import stages_from_toml
+from eyas.train.trainer import TrainConfig
 
 RECIPE = Path(__file__).with_name("smollm2-recipe.toml")
 

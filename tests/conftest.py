@@ -12,14 +12,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def tiny_target():
     """The seeded random 8-layer Llama with SmolLM2's tokenizer (float32, CPU)."""
-    from eyas.target import load_target
+    from eyas.core.target import load_target
 
     return load_target("tiny")
 
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
-    from eyas.target import load_tokenizer
+    from eyas.core.target import load_tokenizer
 
     return load_tokenizer("smollm2-135m")
 

@@ -3,7 +3,7 @@ test_evaluate.py). The trained one takes seconds to build and is kept in eyas's 
 
 - untrained: `init_weights` from the target's embedding and head, draft vocabulary from the tiny target's output;
 - trained: 150 steps of `ttt_forward` on the tiny target's own greedy outputs of 16 random prompts, features
-  captured by forward hooks (eyas.speculate_target.HFRunner), against the target's distributions sharpened to
+  captured by forward hooks (eyas.speculate.runner.HFRunner), against the target's distributions sharpened to
   temperature 0.05 (a random model's distributions are nearly flat; greedy acceptance only needs the argmax).
   Tests that need acceptance use those same prompts (`random_prompts(16)`): the point is the engine, not the draft.
 """
@@ -16,13 +16,14 @@ import json
 import numpy as np
 import torch
 
-from eyas.errors import EyasError
-from eyas.model import DraftConfig, Eagle3Draft
-from eyas.paths import cache_dir
-from eyas.speculate import plain_generate
-from eyas.speculate_target import HFRunner, LeanRunner
-from eyas.ttt import step_weights, ttt_forward
-from eyas.vocab import build_draft_vocab, count_tokens
+from eyas.core.errors import EyasError
+from eyas.core.paths import cache_dir
+from eyas.draft.checkpoint import read_draft, save_draft
+from eyas.draft.model import DraftConfig, Eagle3Draft
+from eyas.draft.ttt import step_weights, ttt_forward
+from eyas.draft.vocab import build_draft_vocab, count_tokens
+from eyas.speculate.decode import plain_generate
+from eyas.speculate.runner import HFRunner, LeanRunner
 
 DRAFT_VOCAB = 512
 LR = 5e-3
@@ -83,10 +84,10 @@ def trained_draft(target, steps: int = 150) -> Eagle3Draft:
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()[:12]
     folder = cache_dir() / "test-drafts" / f"tiny-trained-{key}"
     try:
-        d = Eagle3Draft.from_pretrained(folder).requires_grad_(False)
+        d = read_draft(folder).requires_grad_(False)
     except EyasError:
         d = _train(target, steps)
-        d.save_pretrained(folder, extra={"recipe": recipe})
+        save_draft(d, folder, extra={"recipe": recipe})
     _CACHE[("trained", steps)] = d
     return d
 

@@ -4,8 +4,8 @@ import copy
 
 import pytest
 
-from eyas.chat import ChatRenderer
-from eyas.formats import FormatError
+from eyas.data.chat import ChatRenderer
+from eyas.data.formats import FormatError
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there!"}],

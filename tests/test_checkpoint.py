@@ -12,9 +12,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_fakes import write_store
-
-from eyas.checkpoint import (
+from eyas.core.errors import EyasError
+from eyas.draft.checkpoint import (
     check_resumable,
     flatten_optimizer_state,
     latest_checkpoint,
@@ -26,9 +25,9 @@ from eyas.checkpoint import (
     set_rng_state,
     unflatten_optimizer_state,
 )
-from eyas.errors import EyasError
-from eyas.train import TrainConfig, run
-from eyas.train_engine import full_optimizer_state, load_optimizer_state
+from eyas.train.engine import full_optimizer_state, load_optimizer_state
+from eyas.train.trainer import TrainConfig, run
+from train_fakes import write_store
 
 
 def adam_after_steps(seed=0):

@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 
 from eyas import cli
-from eyas.config import StageConfig, add_arguments, check, from_mapping, from_namespace, opt, to_argv
-from eyas.errors import EyasError
+from eyas.core.config import StageConfig, add_arguments, check, from_mapping, from_namespace, opt, to_argv
+from eyas.core.errors import EyasError
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from eyas.demo import RunConfig, stages_from_toml
-from eyas.log import Console
-from eyas.pipeline import Stage, run_stage
-from eyas.errors import EyasError
-from eyas.paths import shared_data_dir
+from eyas.core.errors import EyasError
+from eyas.core.log import Console
+from eyas.core.paths import shared_data_dir
+from eyas.pipeline.demo import RunConfig, stages_from_toml
+from eyas.pipeline.runner import Stage, run_stage
 from test_report import SECTIONS, Page, check_numbers
 
 
@@ -125,8 +125,7 @@ def test_a_stage_reruns_when_a_stage_it_reads_ran_again(tmp_path, monkeypatch):
     say which output is newer."""
     import dataclasses
 
-    import eyas.cli
-    from eyas.pipeline import reads, run_pipeline
+    from eyas.pipeline.runner import reads, run_pipeline
 
     ran = []
 
@@ -140,8 +139,8 @@ def test_a_stage_reruns_when_a_stage_it_reads_ran_again(tmp_path, monkeypatch):
         ran.append(cfg.out)
         return {}
 
-    monkeypatch.setattr(eyas.cli, "load_stage", lambda command: (Fake, run))
-    monkeypatch.setattr("eyas.pipeline.to_argv", lambda cfg: [])
+    monkeypatch.setattr("eyas.pipeline.runner.load_stage", lambda command: (Fake, run))
+    monkeypatch.setattr("eyas.pipeline.runner.to_argv", lambda cfg: [])
     r = tmp_path / "run"
 
     def stages(lr):

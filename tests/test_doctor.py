@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from eyas.doctor import DoctorConfig, run
-from eyas.errors import EyasError
+from eyas.core.errors import EyasError
+from eyas.doctor.diagnose import DoctorConfig, run
 
 FIXTURES = Path(__file__).parent / "fixtures" / "peer-logs"
 T0 = datetime.datetime(2025, 3, 1, 23, 58, 0)  # close to midnight: timestamps cross a day
@@ -55,7 +55,7 @@ def ts(sec: float) -> str:
 
 
 def write_eyas_run(folder: Path, n, w, sharded, epochs, audit=True) -> Path:
-    from eyas.plan import compute_plan
+    from eyas.train.plan import compute_plan
 
     folder.mkdir(parents=True)
     rows = [{"step": i, "epoch": e, "lr": lr, "loss": 2.0, "loss_i": [2.0], "acc_i": [0.1], "tokens_per_s": 100.0,
@@ -71,7 +71,7 @@ def write_eyas_run(folder: Path, n, w, sharded, epochs, audit=True) -> Path:
 
 
 def write_eyas_console(path: Path, n, w, sharded, epochs) -> Path:
-    from eyas.plan import compute_plan
+    from eyas.train.plan import compute_plan
 
     p = per_epoch(n, w, sharded)
     verdict = "yes" if sharded or w == 1 else f"NO: {n} samples on more than one rank, e.g. 0, 1"
@@ -232,7 +232,7 @@ def test_seed_case_ambiguous_log(tmp_path):
 
 def write_seed_eyas_console(path: Path) -> Path:
     """The seed case as eyas's trainer prints it: the audit, the plan block, then one tqdm bar redrawn with \\r."""
-    from eyas.plan import compute_plan
+    from eyas.train.plan import compute_plan
 
     plan = compute_plan(SEED_N, SEED_W, 1, 1, SEED_EPOCHS)
     bar = []
@@ -258,14 +258,14 @@ def test_seed_case_eyas_log(tmp_path):
     assert rep["epoch"] == 1 and rep["step_in_epoch"] == 378 and not rep["ended"]
 
 
-# -- eyas's own two-rank run (built from eyas.sharding, the sampler the trainer uses) -----------------------------
+# -- eyas's own two-rank run (built from eyas.train.sharding, the sampler the trainer uses) -----------------------------
 @pytest.mark.parametrize("sharded", [True, False])
 def test_eyas_two_rank_run(tmp_path, sharded):
     """A run folder and console log as the trainer writes them: metrics from rank 0, the real Audit of 2 ranks."""
-    sharding = pytest.importorskip("eyas.sharding")
+    sharding = pytest.importorskip("eyas.train.sharding")
     import numpy as np
 
-    from eyas.plan import compute_plan
+    from eyas.train.plan import compute_plan
 
     n, w, epochs = 53, 2, 2
     spec = sharding.ShardSpec(world_size=w, sharded=sharded)
@@ -434,7 +434,8 @@ def test_cli_json(tmp_path, capsys):
 
 
 # -- fuzzing: any bytes give an EyasError or a report, never a traceback or a hang -------------------------------
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st
 
 FRAGMENTS = ["step 3: {'lr': 1e-4, 'loss': 2}", "step 0: {'lr': nan, 'perf/optimizer_step_time_s': inf}", "[rank1]: ",
              "[default0]: ", "global_step=", "epoch=0, lr=", "\r", "\n", '{"step": -1}',
@@ -467,7 +468,7 @@ def test_fuzz_never_crashes(tmp_path, data, samples, world, mb, epochs):
 
 
 def test_parsers_linear_on_hostile_lines(tmp_path):
-    from eyas.logformats import LogParser
+    from eyas.doctor.logformats import LogParser
 
     hostile = [" " * 60000 + "x", "1%" * 30000, "step 1: {" + "'a': 1, " * 8000, "=" * 60000, "[rank1]: " * 6000,
                "a" * 60000 + ".py:1", "           INFO     x" + " " * 60000]

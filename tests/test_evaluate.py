@@ -4,12 +4,13 @@ tiny target through the CLI."""
 import json
 
 import pytest
-from speculate_helpers import trained_draft
 
-from eyas.errors import EyasError
-from eyas.evaluate import EvalConfig, load_bench
-from eyas.evaluate_report import method_figures
-from eyas.paths import shared_data_dir
+from eyas.core.errors import EyasError
+from eyas.core.paths import shared_data_dir
+from eyas.draft.checkpoint import save_draft
+from eyas.speculate.evaluate import EvalConfig, load_bench
+from eyas.speculate.report import method_figures
+from speculate_helpers import trained_draft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -79,7 +80,7 @@ def test_evaluate_end_to_end_on_the_tiny_target(tiny_target, tmp_path, capsys):
     from eyas.cli import main
 
     draft_dir = tmp_path / "draft"
-    trained_draft(tiny_target).save_pretrained(draft_dir)
+    save_draft(trained_draft(tiny_target), draft_dir)
     bench = tmp_path / "b.jsonl"
     bench.write_text('{"turns": ["Tell me a story.", "Shorter."], "category": "writing"}\n'
                      '{"prompt": "What is 2+2?", "category": "math"}\n')

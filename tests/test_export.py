@@ -1,7 +1,7 @@
 """eyas export / import: round trips, the engines' key list, foreign layouts and bad input.
 
 The expected names, shapes and layer ids below are written from the engines' loaders (docs/export.md), not read
-back from eyas.export, except where a test checks eyas.export against engine_keys.json itself.
+back from eyas.draft.export, except where a test checks eyas.draft.export against engine_keys.json itself.
 """
 
 import json
@@ -16,11 +16,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eyas.errors import EyasError
-from eyas.draft_import import ImportConfig, run_import
-from eyas.export import ExportConfig, engine_spec, run
-from eyas.model import DraftConfig, Eagle3Draft
-from eyas.vocab import build_draft_vocab
+from eyas.core.errors import EyasError
+from eyas.draft.checkpoint import read_draft, save_draft
+from eyas.draft.export import ExportConfig, engine_spec, run
+from eyas.draft.importer import ImportConfig, run_import
+from eyas.draft.model import DraftConfig, Eagle3Draft
+from eyas.draft.vocab import build_draft_vocab
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(autouse=True)
 def _same_target(monkeypatch, tiny_target):
     """Import loads its --target; hand it the session's tiny target instead of rebuilding it each time."""
-    monkeypatch.setattr("eyas.target.load_target", lambda spec, **kw: tiny_target)
+    monkeypatch.setattr("eyas.draft.importer.load_target", lambda spec, **kw: tiny_target)
 
 
 def make_checkpoint(target, folder: Path, draft_vocab: int = 500, seed: int = 0) -> Eagle3Draft:
@@ -42,7 +43,7 @@ def make_checkpoint(target, folder: Path, draft_vocab: int = 500, seed: int = 0)
         for name, p in m.named_parameters():
             if name.endswith("norm.weight"):
                 p.add_(torch.randn(p.shape, generator=g) * 0.1)  # not all ones, so a lost norm shows
-    m.save_pretrained(folder, extra={"training": {"steps": 7, "loss": 2.5}, "evaluation": {"tau": 1.9}})
+    save_draft(m, folder, extra={"training": {"steps": 7, "loss": 2.5}, "evaluation": {"tau": 1.9}})
     return m
 
 
@@ -67,7 +68,7 @@ def test_round_trip_identical(tiny_target, tmp_path, fmt):
     m = make_checkpoint(tiny_target, tmp_path / "ckpt")
     export(tmp_path / "ckpt", fmt, tmp_path / fmt)
     s = import_(tmp_path / fmt, tmp_path / "back")
-    back = Eagle3Draft.from_pretrained(tmp_path / "back")
+    back = read_draft(tmp_path / "back")
     assert_same(m, back)
     assert s["embed_tokens_from"] == "draft" and s["feature_layers"] == [2, 4, 5]
     meta = json.loads((tmp_path / "back" / "config.json").read_text())
@@ -148,7 +149,7 @@ def test_specforge_style_draft(tiny_target, tmp_path):
     (sf / "config.json").write_text(json.dumps(cfg))
     s = import_(sf, tmp_path / "back")
     assert s["embed_tokens_from"] == "target" and s["feature_layers"] == [2, 4, 5]  # [1, 3, 4] + 1
-    assert_same(m, Eagle3Draft.from_pretrained(tmp_path / "back"))  # embed_tokens were the target's anyway
+    assert_same(m, read_draft(tmp_path / "back"))  # embed_tokens were the target's anyway
     del cfg["eagle_config"]  # no ids at all: the default [2, L//2, L-3] of the 8-layer target
     (sf / "config.json").write_text(json.dumps(cfg))
     assert import_(sf, tmp_path / "back2")["feature_layers"] == [2, 4, 5]
@@ -228,12 +229,12 @@ def test_cli_export(tiny_target, tmp_path, capsys):
 _SPECULATORS_CHECK = textwrap.dedent("""
     import json, sys, torch
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-    from eyas.model import Eagle3Draft
+    from eyas.draft.model import Eagle3Draft
     export_dir, ckpt = sys.argv[1], sys.argv[2]
     cfg = Eagle3SpeculatorConfig.from_pretrained(export_dir)
     cfg.transformer_layer_config._attn_implementation = "eager"  # its flex-attention default needs a GPU-sized T
     theirs = Eagle3DraftModel.from_pretrained(export_dir, config=cfg).eval()
-    ours = Eagle3Draft.from_pretrained(ckpt)
+    ours = read_draft(ckpt)
     g = torch.Generator().manual_seed(1)
     T = 12
     ids, aux, pos = torch.randint(0, ours.cfg.vocab_size, (1, T), generator=g), torch.randn(1, T, 192, generator=g), torch.arange(T)[None]
@@ -261,7 +262,7 @@ def speculators_python() -> str:
         return sys.executable
     if os.environ.get("EYAS_SPECULATORS_PYTHON"):
         return os.environ["EYAS_SPECULATORS_PYTHON"]
-    from eyas.paths import cache_dir
+    from eyas.core.paths import cache_dir
 
     venv = cache_dir() / "speculators-venv"
     py = venv / "bin" / "python"

@@ -12,9 +12,10 @@ import pytest
 import torch
 from datasets import Dataset, Features, Sequence, Value
 
-from eyas.errors import EyasError
-from eyas.extract import ExtractConfig, plan_batches, plan_shards, run, shard_indices
-from eyas.store import COMPACT_ABS_DIV, COMPACT_REL, StoreReader, bytes_per_token
+from eyas.core.errors import EyasError
+from eyas.store.extract import ExtractConfig, plan_batches, plan_shards, run, shard_indices
+from eyas.store.layout import COMPACT_ABS_DIV, COMPACT_REL, bytes_per_token
+from eyas.store.reader import StoreReader
 
 LAYERS = [2, 4, 5]  # the tiny target's default features [2, L//2, L-3]
 
@@ -59,7 +60,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def bf16_tiny():
-    from eyas.target import load_target
+    from eyas.core.target import load_target
 
     return load_target("tiny", dtype="bf16")
 
@@ -205,7 +206,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(bf16_tiny, prepared, tmp_pat
 
 def test_refuses_to_start_when_the_disk_is_short_and_says_how_much_is_missing(bf16_tiny, prepared, tmp_path,
                                                                               monkeypatch):
-    monkeypatch.setattr("eyas.extract.free_bytes", lambda p: 1000)
+    monkeypatch.setattr("eyas.store.extract.free_bytes", lambda p: 1000)
     with pytest.raises(EyasError, match="missing") as e:
         run(cfg(prepared, tmp_path / "s"), target=bf16_tiny)
     assert "needs" in str(e.value) and not (tmp_path / "s").exists()
@@ -256,12 +257,12 @@ def extract_argv(prepared, store) -> list[str]:
 
 SLOW_COMMIT = """
 import sys, time
-import eyas.store
-commit = eyas.store.ShardBuilder.commit
+import eyas.store.writer
+commit = eyas.store.writer.ShardBuilder.commit
 def slow_commit(self, folder):
     time.sleep(0.4)  # widen the window in which the kill lands
     return commit(self, folder)
-eyas.store.ShardBuilder.commit = slow_commit
+eyas.store.writer.ShardBuilder.commit = slow_commit
 from eyas.cli import main
 raise SystemExit(main(sys.argv[1:]))
 """

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from eyas.errors import EyasError
-from eyas.formats import Conversation, Issues, Message, parse_record, read_conversations, resolve_data
-from eyas.paths import shared_data_dir
+from eyas.core.errors import EyasError
+from eyas.core.paths import shared_data_dir
+from eyas.data.formats import Conversation, Issues, Message, parse_record, read_conversations, resolve_data
 
 Q, A = "What is 2 + 2?", "2 + 2 = 4."
 SINGLE = [Message("user", Q), Message("assistant", A)]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from eyas.generate import BatchGenerator
+from eyas.core.generate import BatchGenerator
 
 
 def greedy_by_hand(model, prompt: list[int], max_new: int, stops: set[int]) -> list[int]:

@@ -5,9 +5,9 @@ import mmap
 import pytest
 import torch
 
-from eyas import memory
-from eyas.generate import fuse_projections
-from eyas.target import load_target
+from eyas.core import memory
+from eyas.core.generate import fuse_projections
+from eyas.core.target import load_target
 
 pytestmark = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this platform")
 

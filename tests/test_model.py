@@ -4,9 +4,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from eyas.model import DraftConfig, Eagle3Draft
-from eyas.ttt import base_mask, chain_attention, shift_left, target_log_probs, ttt_forward
-from eyas.vocab import build_draft_vocab, count_tokens
+from eyas.draft.checkpoint import read_draft, save_draft
+from eyas.draft.model import DraftConfig, Eagle3Draft
+from eyas.draft.ttt import base_mask, chain_attention, shift_left, target_log_probs, ttt_forward
+from eyas.draft.vocab import build_draft_vocab, count_tokens
 
 V, H = 50, 16
 
@@ -42,8 +43,8 @@ def test_count_tokens_only_masked():
 
 def test_save_load_roundtrip(tmp_path):
     m = small_draft()
-    m.save_pretrained(tmp_path / "d", extra={"training": {"steps": 3}})
-    m2 = Eagle3Draft.from_pretrained(tmp_path / "d")
+    save_draft(m, tmp_path / "d", extra={"training": {"steps": 3}})
+    m2 = read_draft(tmp_path / "d")
     for (k, a), (k2, b) in zip(m.state_dict().items(), m2.state_dict().items()):
         assert k == k2 and torch.equal(a, b)
     assert m2.cfg == m.cfg

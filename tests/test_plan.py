@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from eyas.errors import EyasError
-from eyas.plan import PlanConfig, compute_plan, run, storage_bytes
+from eyas.core.errors import EyasError
+from eyas.train.plan import PlanConfig, compute_plan, run, storage_bytes
 
 
 def test_seed_case_padded():
@@ -89,7 +89,7 @@ def _fake_disk(free):
 
 
 def test_run_storage_and_disk(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr("eyas.plan.shutil.disk_usage", _fake_disk(10**12))
+    monkeypatch.setattr("eyas.train.plan.shutil.disk_usage", _fake_disk(10**12))
     out = run(PlanConfig(samples=35_446, world_size=4, epochs=5, steps_per_s=1.4, tokens=87_800_000, hidden_size=7168,
                          num_layers=61, store=str(tmp_path / "not" / "yet")))
     text = capsys.readouterr().out
@@ -101,7 +101,7 @@ def test_run_storage_and_disk(tmp_path, monkeypatch, capsys):
 
 
 def test_run_target_and_prepared_dir(tmp_path, monkeypatch):
-    monkeypatch.setattr("eyas.plan.shutil.disk_usage", _fake_disk(10**15))
+    monkeypatch.setattr("eyas.train.plan.shutil.disk_usage", _fake_disk(10**15))
     data = tmp_path / "prepared"
     data.mkdir()
     (data / "summary.json").write_text(json.dumps({"kept": 1000, "samples": {"train": 900, "validation": 100},
@@ -137,8 +137,8 @@ def test_cli(capsys):
 @pytest.mark.parametrize("n, w, b, g, drop", [(35_446, 4, 1, 1, False), (35_446, 4, 1, 1, True), (1000, 8, 4, 2, False),
                                               (1000, 8, 4, 2, True), (10, 3, 2, 1, False), (97, 5, 3, 2, True)])
 def test_agrees_with_the_sampler(n, w, b, g, drop):
-    """The plan's figures are what eyas.sharding actually deals out, rank by rank (an independent implementation)."""
-    sharding = pytest.importorskip("eyas.sharding")
+    """The plan's figures are what eyas.train.sharding actually deals out, rank by rank (an independent implementation)."""
+    sharding = pytest.importorskip("eyas.train.sharding")
     import numpy as np
 
     spec = sharding.ShardSpec(world_size=w, micro_batch=b, grad_accum=g, drop_remainder=drop, shuffle=False)

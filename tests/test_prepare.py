@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from eyas.cli import main
-from eyas.errors import EyasError
-from eyas.prepare import PrepareConfig, load_prepared, read_summary, run
+from eyas.core.errors import EyasError
+from eyas.data.prepare import PrepareConfig, load_prepared, read_summary, run
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 CHATS = [
@@ -24,7 +24,7 @@ MATH = [{"question": f"What is {i} times 3?", "answer": f"{i} * 3 = {3 * i}\n###
 @pytest.fixture
 def fast_target(tiny_target, monkeypatch):
     """prepare loads its target by name: hand it the session's tiny target instead of rebuilding it."""
-    monkeypatch.setattr("eyas.target.load_target", lambda spec, **kw: tiny_target)
+    monkeypatch.setattr("eyas.data.prepare.load_target", lambda spec, **kw: tiny_target)
     return tiny_target
 
 

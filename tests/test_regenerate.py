@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from eyas.errors import EyasError
-from eyas.regenerate import RegenerateConfig, read_done, run
+from eyas.core.errors import EyasError
+from eyas.data.regenerate import RegenerateConfig, read_done, run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -111,7 +111,7 @@ def servers():
 
 @pytest.fixture
 def quick_retries(monkeypatch):
-    monkeypatch.setattr("eyas.regenerate_server.BACKOFF_S", 0.01)
+    monkeypatch.setattr("eyas.data.server.BACKOFF_S", 0.01)
 
 
 def make_data(tmp_path, n=12):
@@ -206,7 +206,7 @@ def test_faults_are_retried(servers, tmp_path, quick_retries):
 
 
 def test_failing_server_is_reported_and_done_work_kept(servers, tmp_path, quick_retries, monkeypatch):
-    monkeypatch.setattr("eyas.regenerate_server.GIVE_UP_AFTER", 4)
+    monkeypatch.setattr("eyas.data.server.GIVE_UP_AFTER", 4)
     srv = servers(ok_then_fail=5)
     data, out = make_data(tmp_path, 30), tmp_path / "out.jsonl"
     summary = run(cfg(data, out, srv.url, concurrency=1, retries=2, model="m"))
@@ -295,7 +295,7 @@ def test_sigkill_then_rerun_resumes_without_duplicates_or_gaps(servers, tmp_path
 
 @pytest.fixture
 def local_tiny(tiny_target, monkeypatch):
-    monkeypatch.setattr("eyas.target.load_target", lambda spec, **kw: tiny_target)
+    monkeypatch.setattr("eyas.data.regenerate.load_target", lambda spec, **kw: tiny_target)
     # one thread: on a shared 2-core machine OpenMP's second thread makes these tiny forwards ~10x slower
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -354,7 +354,7 @@ def test_local_backend_batches_and_resumes(local_tiny, tmp_path):
 
 
 def test_second_writer_is_refused(servers, tmp_path):
-    from eyas.regenerate import lock_output
+    from eyas.data.regenerate import lock_output
 
     srv = servers()
     data, out = make_data(tmp_path, 2), tmp_path / "out.jsonl"
@@ -366,7 +366,7 @@ def test_second_writer_is_refused(servers, tmp_path):
 
 
 def test_max_prompt_tokens_leaves_out_long_prompts_and_counts_them(local_tiny, tmp_path):
-    from eyas.chat import ChatRenderer
+    from eyas.data.chat import ChatRenderer
 
     short, long_ = "Hi.", "Tell me " + "more and more " * 40
     data = tmp_path / "p.jsonl"

@@ -1,10 +1,10 @@
 """eyas report: every section present, every number on the page equal to the run file it names, "not run" sections
 for missing files, highlighted sample generations, tolerance of damaged files, the CLI.
 
-The run folder is hand-written here (`make_run`) in the formats of the stages: eyas.pipeline (stages/*.json,
-pipeline.json), eyas.prepare._summary (prepared/summary.json), eyas.store.write_manifest (store/manifest.json),
-eyas.train and eyas.train_setup (train/metrics.jsonl, validation.jsonl, plan.json, audit.json, final/config.json),
-eyas.evaluate_report.aggregate (evaluate/results.json) and eyas.export.run (the export stage summaries).
+The run folder is hand-written here (`make_run`) in the formats of the stages: eyas.pipeline.runner (stages/*.json,
+pipeline.json), eyas.data.prepare._summary (prepared/summary.json), eyas.store.writer.write_manifest (store/manifest.json),
+eyas.train.trainer and eyas.train.setup (train/metrics.jsonl, validation.jsonl, plan.json, audit.json, final/config.json),
+eyas.speculate.report.aggregate (evaluate/results.json) and eyas.draft.export.run (the export stage summaries).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from eyas.cli import main as cli_main
-from eyas.report import ReportConfig, run
+from eyas.report.build import ReportConfig, run
 
 # ---------------------------------------------------------------------------------------------- the run folder
 STAGES = ("regenerate-gsm8k", "regenerate-chitchat", "prepare", "extract", "train", "evaluate", "export-eagle3",

@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 import pytest
-from test_report import make_run
 
-from eyas.report import ReportConfig, run
+from eyas.report.build import ReportConfig, run
+from test_report import make_run
 
 NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

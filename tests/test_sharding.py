@@ -5,9 +5,9 @@ import math
 import numpy as np
 import pytest
 
-from eyas.errors import EyasError
-from eyas.plan import compute_plan
-from eyas.sharding import ShardSpec, audit, epoch_order, pack, shard_epoch
+from eyas.core.errors import EyasError
+from eyas.train.plan import compute_plan
+from eyas.train.sharding import ShardSpec, audit, epoch_order, pack, shard_epoch
 
 
 def lengths_for(n, seed=0):

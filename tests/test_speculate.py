@@ -3,9 +3,8 @@ brute-force tree ancestry, hand-made acceptance traces, and the target's distrib
 
 import pytest
 import torch
-from speculate_helpers import random_prompts, trained_draft, untrained_draft
 
-from eyas.speculate import (
+from eyas.speculate.decode import (
     Proposal,
     acceptance_stats,
     first_divergence,
@@ -15,7 +14,7 @@ from eyas.speculate import (
     verify_greedy,
     verify_sampling,
 )
-from eyas.speculate_drafters import (
+from eyas.speculate.drafters import (
     Controller,
     Eagle3Drafter,
     OracleDrafter,
@@ -23,7 +22,8 @@ from eyas.speculate_drafters import (
     TreeShape,
     quantize_int8,
 )
-from eyas.speculate_target import HFRunner, LeanRunner, attention_mask
+from eyas.speculate.runner import HFRunner, LeanRunner, attention_mask
+from speculate_helpers import random_prompts, trained_draft, untrained_draft
 
 NEW = 32
 
@@ -147,11 +147,11 @@ def test_greedy_speculation_equals_greedy_decoding(tiny_target, refs, kind):
 
 
 def test_bf16_speculation_reproduces_bf16_greedy_decoding_bit_for_bit():
-    """In bf16 a forward over q tokens must compute each row as a one-token step does (eyas.speculate_target._attend),
+    """In bf16 a forward over q tokens must compute each row as a one-token step does (eyas.speculate.runner._attend),
     or near-tied logits flip and speculation drifts from plain decoding. Checked on the logits themselves."""
     import copy
 
-    from eyas.target import load_target
+    from eyas.core.target import load_target
 
     target = load_target("tiny", dtype="bfloat16")
     runner = LeanRunner(target, target.default_feature_layers())
@@ -305,7 +305,7 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
 
 
 def test_controller_picks_plain_for_a_poor_draft_and_long_chains_for_a_good_one():
-    from eyas.speculate import Round
+    from eyas.speculate.decode import Round
 
     lat = {1: 0.060, 2: 0.060, 4: 0.061, 8: 0.066, 16: 0.084}
     poor, good = Controller(lat, kmax=7), Controller(lat, kmax=7)

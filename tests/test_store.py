@@ -12,20 +12,18 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 from eyas import cli
-from eyas.errors import EyasError
-from eyas.store import (
+from eyas.core.errors import EyasError
+from eyas.store.layout import (
     COMPACT_ABS_DIV,
     COMPACT_REL,
     SHARD_DIR,
-    ShardBuilder,
-    StoreReader,
     bytes_per_token,
-    check_coverage,
     dequantize_rows,
     quantize_rows,
     shard_name,
-    write_manifest,
 )
+from eyas.store.reader import StoreReader
+from eyas.store.writer import ShardBuilder, check_coverage, write_manifest
 
 H = 16
 IDENTITY = {"name": "t", "architecture": "LlamaForCausalLM", "config_hash": "abc", "hidden_size": H,
@@ -238,7 +236,7 @@ def byte_buffers(reader, tokens: int) -> dict:
 def test_read_into_copies_exactly_the_samples_rows(tmp_path, compact):
     """Every sample read into a buffer at an offset equals the sample the mapped reader returns, decoded the same
     way, and the bytes before and after it stay untouched."""
-    from eyas.store import features
+    from eyas.store.layout import features
 
     data = samples(9)
     r = StoreReader(build_store(tmp_path / "s", data, compact=compact))
@@ -279,13 +277,13 @@ def test_read_into_keeps_a_bounded_number_of_shard_files_open(tmp_path, monkeypa
     OPEN_FILES of them open, whichever way it reads."""
     import os
 
-    import eyas.store
+    import eyas.store.reader
 
     def open_shards() -> int:  # this process's descriptors on the store's shards (a map holds one too)
         fds = Path("/proc/self/fd")
         return sum(1 for fd in fds.iterdir() if os.path.realpath(fd).startswith(str(store / SHARD_DIR)))
 
-    monkeypatch.setattr(eyas.store, "OPEN_FILES", 2)
+    monkeypatch.setattr(eyas.store.reader, "OPEN_FILES", 2)
     data = samples(12)
     store = build_store(tmp_path / "s", data)  # 4 shards of 3 samples
     r = StoreReader(store)
@@ -309,9 +307,9 @@ def test_read_into_keeps_a_bounded_number_of_shard_files_open(tmp_path, monkeypa
 def test_a_shard_replaced_or_removed_under_an_open_reader_is_named(tmp_path, monkeypatch):
     """A closed (least recently used) shard is reopened only if it is still the file whose header was read: a
     shard rewritten meanwhile, even to the same size, would put other bytes where the reader looks."""
-    import eyas.store
+    import eyas.store.reader
 
-    monkeypatch.setattr(eyas.store, "OPEN_FILES", 1)
+    monkeypatch.setattr(eyas.store.reader, "OPEN_FILES", 1)
     store = build_store(tmp_path / "s", samples(9))
     other = build_store(tmp_path / "o", samples(9, seed=1))
     r = StoreReader(store)
@@ -375,9 +373,9 @@ def test_threads_sharing_a_reader_read_every_sample_right(tmp_path, monkeypatch)
     """Two threads reading one store while shards are closed and reopened under them (OPEN_FILES = 1)."""
     import threading
 
-    import eyas.store
+    import eyas.store.reader
 
-    monkeypatch.setattr(eyas.store, "OPEN_FILES", 1)
+    monkeypatch.setattr(eyas.store.reader, "OPEN_FILES", 1)
     data = samples(12)
     r = StoreReader(build_store(tmp_path / "s", data))
     errors = []
@@ -405,9 +403,9 @@ def test_a_shard_copied_back_unchanged_under_an_open_reader_still_reads(tmp_path
     bytes, a file system without stable inodes) is the same shard: no false alarm."""
     import shutil
 
-    import eyas.store
+    import eyas.store.reader
 
-    monkeypatch.setattr(eyas.store, "OPEN_FILES", 1)
+    monkeypatch.setattr(eyas.store.reader, "OPEN_FILES", 1)
     data = samples(6)
     store = build_store(tmp_path / "s", data)
     r = StoreReader(store)

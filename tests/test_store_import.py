@@ -8,14 +8,14 @@ import pytest
 import torch
 from datasets import Dataset
 from safetensors.torch import save_file
-from test_extract import LAYERS, prepared_rows, write_prepared
 
-from eyas.errors import EyasError
-from eyas.extract import ExtractConfig
-from eyas.extract import run as extract
-from eyas.store import StoreReader
-from eyas.store_import import StoreImportConfig, run, target_parts
-from eyas.target import load_target
+from eyas.core.errors import EyasError
+from eyas.core.target import load_target
+from eyas.store.extract import ExtractConfig
+from eyas.store.extract import run as extract
+from eyas.store.importers import StoreImportConfig, run, target_parts
+from eyas.store.reader import StoreReader
+from test_extract import LAYERS, prepared_rows, write_prepared
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

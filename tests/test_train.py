@@ -13,12 +13,11 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from eyas.core.errors import EyasError
+from eyas.draft.checkpoint import read_draft
+from eyas.store.reader import StoreReader
+from eyas.train.trainer import TrainConfig, run
 from train_fakes import write_store
-
-from eyas.errors import EyasError
-from eyas.model import Eagle3Draft
-from eyas.store import StoreReader
-from eyas.train import TrainConfig, run
 
 ENTRY = str(Path(__file__).parent / "train_entry.py")
 SMALL = dict(target="tiny", threads=1, draft_vocab=512, ttt_steps=3)
@@ -110,7 +109,7 @@ def test_two_process_ddp_equals_one_process_and_shards_disjointly(store, launche
     assert [m["step"] for m in a] == [m["step"] for m in b] == list(range(1, 9))
     np.testing.assert_allclose([m["loss_i"] for m in b], [m["loss_i"] for m in a], rtol=1e-5)
     assert [m["samples_seen_global"] for m in b] == [4 * s for s in range(1, 9)]
-    wa, wb = Eagle3Draft.from_pretrained(ref / "final"), Eagle3Draft.from_pretrained(run_dir / "final")
+    wa, wb = read_draft(ref / "final"), read_draft(run_dir / "final")
     for (k, x), (_, y) in zip(wa.state_dict().items(), wb.state_dict().items()):
         torch.testing.assert_close(y, x, rtol=1e-3, atol=1e-4, msg=k)  # Adam: lr-scale steps
     # what each rank's loader really read: disjoint halves of the store
@@ -182,7 +181,7 @@ def test_run_folder_files_and_counts(store, reference):
     # the vocabulary covers all loss-masked tokens (fewer than 512 distinct ids), by hand
     masked = np.concatenate([reader[i].input_ids[reader[i].loss_mask > 0].numpy() for i in range(len(reader))])
     assert len(np.unique(masked)) < 512 and t["vocab_coverage"] == 1.0
-    draft = Eagle3Draft.from_pretrained(out / "final")
+    draft = read_draft(out / "final")
     assert draft.t2d[torch.from_numpy(masked)].all()
     assert summary["steps"] == 8 and summary["world_size"] == 1
 
@@ -270,10 +269,10 @@ def test_online_mode_matches_the_store(tiny_target, store, tmp_path):
 
 
 def test_fused_soft_cross_entropy_equals_the_plain_formula():
-    """eyas.ttt.soft_cross_entropy (used by ttt_forward) against -sum p log softmax(z), values and gradients."""
+    """eyas.draft.ttt.soft_cross_entropy (used by ttt_forward) against -sum p log softmax(z), values and gradients."""
     import torch.nn.functional as F
 
-    from eyas.ttt import soft_cross_entropy
+    from eyas.draft.ttt import soft_cross_entropy
 
     g = torch.Generator().manual_seed(0)
     h = torch.randn(37, 16, generator=g, requires_grad=True)  # 37 rows: not a multiple of the chunk
@@ -299,7 +298,7 @@ def test_lr_schedule_from_the_real_step_count(reference):
     """Warmup then cosine to min_lr_ratio, over the run's real optimizer steps (by hand), as logged."""
     import math
 
-    from eyas.train_engine import lr_at
+    from eyas.train.engine import lr_at
 
     assert [lr_at(s, 10, 2, 1.0, 0.1) for s in (0, 1)] == [0.5, 1.0]
     assert lr_at(2, 10, 2, 1.0, 0.1) == 1.0 and abs(lr_at(10, 10, 2, 1.0, 0.1) - 0.1) < 1e-12

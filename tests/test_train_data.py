@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 import torch
-from test_store import build_store, samples
 
-from eyas.store import StoreReader
-from eyas.train_data import Subset, collate, load_micro_batch, read_batch
+from eyas.store.reader import StoreReader
+from eyas.train.data import Subset, collate, load_micro_batch, read_batch
+from test_store import build_store, samples
 
 MICRO = ((4, 0, 7), (2,), (8, 5), (1, 3, 6))  # packed rows of different lengths: padding in every row but one
 

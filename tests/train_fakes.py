@@ -32,7 +32,8 @@ def tiny_samples(target, n: int = 24, seed: int = 0, lengths=(12, 40), vocab_ids
 
 def write_store(target, path: Path, n: int = 24, seed: int = 0, per_shard: int = 0, **kw) -> Path:
     """A store of `n` samples, in shards of `per_shard` samples (0: one shard)."""
-    from eyas.store import SHARD_DIR, ShardBuilder, shard_name, write_manifest
+    from eyas.store.layout import SHARD_DIR, shard_name
+    from eyas.store.writer import ShardBuilder, write_manifest
 
     samples = tiny_samples(target, n, seed, **kw)
     shards_dir = Path(path) / SHARD_DIR

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from eyas.paths import cache_dir
+from eyas.core.paths import cache_dir
 
 _TALLY: collections.Counter = collections.Counter()
 

@@ -89,9 +89,9 @@ def env_one_thread(**extra: str) -> dict:
 
 # What a stage imports before it does any work (~5 s of CPU per process): imported once, in the forkserver
 PRELOAD = ["torch", "numpy", "datasets", "safetensors.torch", "transformers", "transformers.models.llama.modeling_llama",
-           "transformers.models.auto.tokenization_auto", "transformers.generation.utils", "eyas.cli", "eyas.extract",
-           "eyas.regenerate", "eyas.train", "eyas.train_setup", "eyas.train_data", "eyas.train_engine", "eyas.model",
-           "eyas.target", "eyas.formats", "eyas.chat"]
+           "transformers.models.auto.tokenization_auto", "transformers.generation.utils", "eyas.cli", "eyas.store.extract",
+           "eyas.data.regenerate", "eyas.train.trainer", "eyas.train.setup", "eyas.train.data", "eyas.train.engine", "eyas.draft.model",
+           "eyas.core.target", "eyas.data.formats", "eyas.data.chat"]
 
 
 class Forked:
@@ -169,7 +169,7 @@ def _die_before_replacing(name: str) -> None:
 
 
 def _shorten_collective_timeout(seconds: float) -> None:
-    from eyas import dist
+    from eyas.core import dist
 
     init = dist.init
     dist.init = lambda device="auto", timeout_s=seconds: init(device, timeout_s=min(timeout_s, seconds))

@@ -21,12 +21,12 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # helpers of tests/
+from eyas.core.errors import EyasError
+from eyas.draft.checkpoint import read_draft
 from test_extract import write_prepared
 from test_model import small_draft
 from test_store import IDENTITY, build_store
 from test_store import samples as store_samples
-
-from eyas.errors import EyasError
 
 HEADER_SAMPLE, DATA_SAMPLE = 96, 32  # bytes flipped per file in the fast subset
 FULL_HEADER_SAMPLE, FULL_DATA_SAMPLE = 3000, 1000  # with --faults-full (two bits each): every header byte of a
@@ -136,9 +136,9 @@ def run_trials(path: Path, load, reference, names, full: bool, tally) -> dict:
 # ---------------------------------------------------------------- store shards
 
 def read_store(path: Path, via: str = "views") -> list:
-    """Every sample, through the reader the trainer opens (eyas.train_data.open_store): as the memory-mapped
+    """Every sample, through the reader the trainer opens (eyas.train.data.open_store): as the memory-mapped
     views `reader[i]` returns, or read into a micro-batch of its own as the trainer reads (read_batch)."""
-    from eyas.train_data import open_store, read_batch
+    from eyas.train.data import open_store, read_batch
 
     reader = open_store(str(path))
     if via == "views":
@@ -200,7 +200,8 @@ def _store_from_prepared(prepared: Path, out: Path, identity: dict, fingerprint)
     """A store of the prepared rows (random features: what matters here is which tokens it holds)."""
     from datasets import load_from_disk
 
-    from eyas.store import SHARD_DIR, ShardBuilder, shard_name, write_manifest
+    from eyas.store.layout import SHARD_DIR, shard_name
+    from eyas.store.writer import ShardBuilder, write_manifest
 
     rows = list(load_from_disk(str(prepared / "train")))
     H = identity["hidden_size"]
@@ -238,14 +239,14 @@ def paired(tmp_path_factory):
 
 
 def train_cfg(store: Path, data: Path, out: Path):
-    from eyas.train import TrainConfig
+    from eyas.train.trainer import TrainConfig
 
     return TrainConfig(store=str(store), data=str(data), out=str(out), target="tiny", threads=1, draft_vocab=64,
                        ttt_steps=1, micro_batch=2, max_steps=1, quiet=True)
 
 
 def test_trainer_refuses_a_store_made_from_another_dataset(paired, tmp_path, tally):
-    from eyas.train import run
+    from eyas.train.trainer import run
 
     with pytest.raises(EyasError) as e:  # both record fingerprints, and they differ
         run(train_cfg(paired["store"], paired["other"], tmp_path / "run1"))
@@ -260,7 +261,7 @@ def test_trainer_refuses_a_store_made_from_another_dataset(paired, tmp_path, tal
 
 
 def test_a_store_with_its_own_dataset_passes_the_check(paired, tmp_path):
-    from eyas.train_setup import sources
+    from eyas.train.setup import sources
 
     for store in (paired["store"], paired["bare"]):  # by fingerprint, and by token ids
         train, _ = sources(train_cfg(store, paired["prepared"], tmp_path / "run"))
@@ -271,10 +272,10 @@ def test_a_store_with_its_own_dataset_passes_the_check(paired, tmp_path):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """A training checkpoint (eyas.checkpoint) of a small draft after two optimizer steps."""
-    from eyas.checkpoint import rng_state, save_checkpoint
-    from eyas.train import TrainConfig
-    from eyas.train_engine import full_optimizer_state
+    """A training checkpoint (eyas.draft.checkpoint) of a small draft after two optimizer steps."""
+    from eyas.draft.checkpoint import rng_state, save_checkpoint
+    from eyas.train.engine import full_optimizer_state
+    from eyas.train.trainer import TrainConfig
 
     draft = small_draft()
     opt = torch.optim.AdamW(draft.trainable_parameters(), lr=1e-2)
@@ -298,7 +299,7 @@ def _copy(folder: Path, tmp_path: Path) -> Path:
 @pytest.mark.parametrize("name", ["model.safetensors", "optimizer.safetensors", "trainer_state.json"])
 def test_damaged_checkpoint_is_named_never_resumed_wrong(checkpoint, tmp_path, name, faults_full, tally):
     """What a resume reads (config.json is the draft folder's: next test)."""
-    from eyas.checkpoint import load_checkpoint
+    from eyas.draft.checkpoint import load_checkpoint
 
     folder = _copy(checkpoint, tmp_path)
     reference = load_checkpoint(folder)
@@ -307,12 +308,11 @@ def test_damaged_checkpoint_is_named_never_resumed_wrong(checkpoint, tmp_path, n
 
 @pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
 def test_damaged_draft_folder_is_named_never_loaded_wrong(checkpoint, tmp_path, name, faults_full, tally):
-    from eyas.model import Eagle3Draft
 
     folder = _copy(checkpoint, tmp_path)
 
     def load():
-        m = Eagle3Draft.from_pretrained(folder)
+        m = read_draft(folder)
         return m.cfg, m.state_dict()
 
     reference = load()

@@ -29,13 +29,13 @@ from helpers_faults import (  # noqa: F401 (one_thread: an autouse fixture)
     train_metrics,
     wait_for,
 )
+
+from eyas.draft.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, read_draft
+from eyas.store.reader import StoreReader
+from eyas.store.shards import shard_index
 from test_extract import write_prepared
 from test_train import argv
 from train_fakes import write_store
-
-from eyas.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
-from eyas.model import Eagle3Draft
-from eyas.store import StoreReader, shard_index
 
 SEED = 4242
 
@@ -74,8 +74,8 @@ def extract_cfg(prepared: Path, store: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def extract_ref(tmp_path_factory):
-    from eyas.extract import ExtractConfig, run
-    from eyas.target import load_target
+    from eyas.core.target import load_target
+    from eyas.store.extract import ExtractConfig, run
 
     root = tmp_path_factory.mktemp("extract")
     prepared = write_prepared(root / "prepared", n=120, lo=5, hi=40)
@@ -93,7 +93,7 @@ def when(request, faults_full) -> str:
 
 
 def test_extract_disk_full(extract_ref, tmp_path, when, tally):
-    from eyas.extract import ExtractConfig, run
+    from eyas.store.extract import ExtractConfig, run
 
     prepared, ref = extract_ref
     store, log = tmp_path / "store", tmp_path / "extract.log"
@@ -122,7 +122,7 @@ CKPT_TRAIN = {**TRAIN, "epochs": 1}
 
 @pytest.fixture(scope="module")
 def train_ref(tiny_target, tmp_path_factory):
-    from eyas.train import TrainConfig, run
+    from eyas.train.trainer import TrainConfig, run
 
     root = tmp_path_factory.mktemp("train")
     store = write_store(tiny_target, root / "store", n=24)
@@ -131,7 +131,7 @@ def train_ref(tiny_target, tmp_path_factory):
 
 
 def test_checkpoint_disk_full(train_ref, tmp_path, when, tally):
-    from eyas.train import TrainConfig, run
+    from eyas.train.trainer import TrainConfig, run
 
     store, whole = train_ref
     out, log = tmp_path / "run", tmp_path / "train.log"
@@ -143,7 +143,7 @@ def test_checkpoint_disk_full(train_ref, tmp_path, when, tally):
     assert bool(found) == (when == "mid-run"), err
     for _, folder in found:  # the checkpoints written before the disk filled are whole
         load_checkpoint(folder)
-        Eagle3Draft.from_pretrained(folder)
+        read_draft(folder)
     assert not [p.name for p in (out / "checkpoints").iterdir() if ".tmp" in p.name], "partial checkpoint left"
     summary = run(TrainConfig(quiet=True, store=str(store), out=str(out), resume=True, **CKPT_TRAIN))
     assert summary["steps"] == len(train_metrics(whole))

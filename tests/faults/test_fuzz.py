@@ -1,4 +1,4 @@
-"""Fuzzing the parsers of outside data: chat files (eyas.formats) and training logs (eyas.logformats, eyas doctor).
+"""Fuzzing the parsers of outside data: chat files (eyas.data.formats) and training logs (eyas.doctor.logformats, eyas doctor).
 
 Whatever the bytes (random, cut, nested 10,000 deep, lines of tens of MB, values of the wrong type), a parser
 answers (conversations and counted issues; a doctor report) or raises EyasError, and never hangs: every example
@@ -20,8 +20,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from eyas.errors import EyasError
-from eyas.formats import ROLES, Conversation, Issues, read_conversations
+from eyas.core.errors import EyasError
+from eyas.data.formats import ROLES, Conversation, Issues, read_conversations
 
 LIMIT_S = 20.0  # wall-clock limit of one example: far above what any takes, far below a hang
 
@@ -274,7 +274,7 @@ def _side_file(draw, keys: list[str]) -> str | None:
 
 
 def doctor_report(folder: Path, **hints) -> dict | None:
-    from eyas.doctor import DoctorConfig, run
+    from eyas.doctor.diagnose import DoctorConfig, run
 
     with time_limit():
         try:
@@ -313,7 +313,7 @@ def test_fuzz_doctor_run_folders(tmp_path, faults_full, tally):
 
 def test_fuzz_log_parser_lines(faults_full, tally):
     """LogParser.feed on any text: every format's fragments, mixed with random text and control characters."""
-    from eyas.logformats import LogParser
+    from eyas.doctor.logformats import LogParser
 
     fragments = ["step 3: {'lr': 1e-4, 'loss': 2}", "[rank1]: ", "global_step=", "epoch=0, lr=", "\r", "\x1b[2K",
                  '{"step": 2, "lr": [1], "epoch": {"a": 1}, "elapsed_s": "x", "samples_seen_global": true}',

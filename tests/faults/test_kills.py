@@ -25,12 +25,12 @@ from helpers_faults import (  # noqa: F401 (one_thread: an autouse fixture)
     one_thread,
     tail,
 )
+
+from eyas.draft.checkpoint import list_checkpoints
+from eyas.store.reader import StoreReader
 from test_extract import write_prepared
 from test_train import argv
 from train_fakes import write_store
-
-from eyas.checkpoint import list_checkpoints
-from eyas.store import StoreReader
 
 SEED = 20240611
 
@@ -57,7 +57,7 @@ def write_chats(path: Path, n: int) -> Path:
 
 
 def test_regenerate_survives_kills(tmp_path, faults_full, tally):
-    from eyas.regenerate import RegenerateConfig, run
+    from eyas.data.regenerate import RegenerateConfig, run
 
     n = 48 if faults_full else 12  # a run uses up to 4 units: 10 kills need < 40
     data = write_chats(tmp_path / "chats.jsonl", n)
@@ -77,8 +77,8 @@ def test_regenerate_survives_kills(tmp_path, faults_full, tally):
 # ---------------------------------------------------------------- extract
 
 def test_extract_survives_kills(tmp_path, faults_full, tally):
-    from eyas.extract import ExtractConfig, run
-    from eyas.target import load_target
+    from eyas.core.target import load_target
+    from eyas.store.extract import ExtractConfig, run
 
     prepared = write_prepared(tmp_path / "prepared", n=150 if faults_full else 50, lo=5, hi=40)
     target = load_target("tiny", dtype="bf16")  # the CLI's default forward dtype
@@ -98,7 +98,7 @@ def test_extract_survives_kills(tmp_path, faults_full, tally):
 def test_extract_killed_while_it_starts_then_rerun_completes(tmp_path, tally):
     """The kill lands as extract records its settings (extract.json), before any shard: the store folder holds only
     what that moment leaves, and the same command must still be accepted as the run to resume."""
-    from eyas.extract import ExtractConfig, run
+    from eyas.store.extract import ExtractConfig, run
 
     prepared = write_prepared(tmp_path / "prepared", n=6, lo=5, hi=40)
     store, log = tmp_path / "store", tmp_path / "extract.log"
@@ -119,7 +119,7 @@ def newest_checkpoint(run_dir: Path) -> int:
 
 
 def test_train_survives_kills(tiny_target, tmp_path, faults_full, tally):
-    from eyas.train import TrainConfig, run
+    from eyas.train.trainer import TrainConfig, run
 
     n = 48 if faults_full else 16  # 2 epochs of n steps: n checkpoints
     store = write_store(tiny_target, tmp_path / "store", n=n)

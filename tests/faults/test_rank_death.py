@@ -28,10 +28,10 @@ from helpers_faults import (
     tail,
     wait_for,
 )
+
+from eyas.draft.checkpoint import latest_checkpoint
 from test_train import argv, free_port
 from train_fakes import write_store
-
-from eyas.checkpoint import latest_checkpoint
 
 SEED = 777
 BOUND_S = 60  # a survivor must be gone this long after the death (the collective timeout is 600 s)

@@ -27,10 +27,11 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # helpers of tests/
-from test_model import small_draft
 from test_server_faults import FakeServer
 
-from eyas.errors import EyasError
+from eyas.core.errors import EyasError
+from eyas.draft.checkpoint import read_draft, save_draft
+from test_model import small_draft
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "eyas"
 
@@ -83,7 +84,7 @@ def test_the_source_never_unpickles_nor_evaluates():
 
 
 def test_a_gzipped_specforge_pickle_is_refused_and_never_run(tmp_path, tally):
-    from eyas.store_import import StoreImportConfig, run
+    from eyas.store.importers import StoreImportConfig, run
 
     src = tmp_path / "sf" / "rows_0-2000"
     src.mkdir(parents=True)
@@ -98,7 +99,7 @@ def test_a_gzipped_specforge_pickle_is_refused_and_never_run(tmp_path, tally):
 @pytest.fixture(scope="module")
 def draft_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("draft") / "final"
-    small_draft().save_pretrained(folder)
+    save_draft(small_draft(), folder)
     return folder
 
 
@@ -106,8 +107,7 @@ def draft_folder(tmp_path_factory):
 def test_pickled_weights_in_a_draft_or_checkpoint_are_refused_and_never_run(draft_folder, tmp_path, loader, tally):
     import shutil
 
-    from eyas.checkpoint import STATE_FILE, load_checkpoint
-    from eyas.model import Eagle3Draft
+    from eyas.draft.checkpoint import STATE_FILE, load_checkpoint
 
     folder = tmp_path / "step-00000001"
     shutil.copytree(draft_folder, folder)
@@ -116,13 +116,13 @@ def test_pickled_weights_in_a_draft_or_checkpoint_are_refused_and_never_run(draf
     (folder / "optimizer.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
     (folder / STATE_FILE).write_text(json.dumps({"format": 1, "step": 1, "world_size": 1, "optimizer": {}}))
     with pytest.raises(EyasError, match="safetensors"):
-        Eagle3Draft.from_pretrained(folder) if loader == "draft" else load_checkpoint(folder)
+        read_draft(folder) if loader == "draft" else load_checkpoint(folder)
     assert not marker.exists()
     tally("planted pickles refused")
 
 
 def test_a_target_folder_with_pickled_weights_is_refused_and_never_run(tiny_target, tmp_path, tally):
-    from eyas.target import load_target
+    from eyas.core.target import load_target
 
     folder = tmp_path / "target"
     tiny_target.model.config.save_pretrained(folder)
@@ -159,8 +159,8 @@ def remote_code_folder(tiny_target, root: Path, marker: Path) -> Path:
 def test_remote_code_runs_only_when_the_user_passes_it(tiny_target, tmp_path, monkeypatch, tally):
     import transformers.dynamic_module_utils as dmu
 
-    from eyas.store_import import target_parts
-    from eyas.target import load_target, load_tokenizer
+    from eyas.core.target import load_target, load_tokenizer
+    from eyas.store.importers import target_parts
 
     marker = tmp_path / "code-ran"
     folder = remote_code_folder(tiny_target, tmp_path, marker)
@@ -186,9 +186,9 @@ def test_remote_code_runs_only_when_the_user_passes_it(tiny_target, tmp_path, mo
 @pytest.mark.parametrize("name", ["../outside.safetensors", "/ABS/outside.safetensors", "sub/../../outside.safetensors"])
 def test_weight_index_paths_cannot_leave_the_folder(tiny_target, tmp_path, name, tally):
     """A sharded checkpoint's model.safetensors.index.json names files; one outside the folder is refused."""
-    from eyas.export import read_safetensors
-    from eyas.store_import import target_parts
-    from eyas.target import load_target
+    from eyas.core.target import load_target
+    from eyas.draft.export import read_safetensors
+    from eyas.store.importers import target_parts
 
     folder = tmp_path / "model"
     tiny_target.model.config.save_pretrained(folder)
@@ -235,7 +235,7 @@ def write_prompts(path: Path, n: int = 3) -> Path:
 
 @pytest.mark.parametrize("source", ["env", "file"])
 def test_api_key_reaches_the_server_and_nothing_else(server, tmp_path, monkeypatch, capsys, source, tally):
-    from eyas.regenerate import RegenerateConfig, run
+    from eyas.data.regenerate import RegenerateConfig, run
 
     data, out = write_prompts(tmp_path / "in" / "data.jsonl"), tmp_path / "out" / "regen.jsonl"
     kw = {}
@@ -256,7 +256,7 @@ def test_api_key_reaches_the_server_and_nothing_else(server, tmp_path, monkeypat
 
 def test_api_key_echoed_by_a_failing_server_is_not_reported(server, tmp_path, monkeypatch, capsys, tally):
     """A proxy answering 401 with the key it received in its body: the failure report must not carry it."""
-    from eyas.regenerate import RegenerateConfig, run
+    from eyas.data.regenerate import RegenerateConfig, run
 
     server.decide = lambda n, body: "echo-auth"
     monkeypatch.setenv("EYAS_API_KEY", SECRET)
@@ -272,9 +272,9 @@ def test_api_key_echoed_by_a_failing_server_is_not_reported(server, tmp_path, mo
 
 def test_api_key_stays_out_of_a_pipeline_run_folder(server, tmp_path, monkeypatch, capsys, tally):
     """`eyas run CONFIG.toml`: the run folder's config copy, pipeline.json and stage markers hold no key."""
-    from eyas.config import from_mapping
-    from eyas.demo import RunConfig, run_config
-    from eyas.regenerate import RegenerateConfig
+    from eyas.core.config import from_mapping
+    from eyas.data.regenerate import RegenerateConfig
+    from eyas.pipeline.demo import RunConfig, run_config
 
     with pytest.raises(EyasError, match="unknown setting") as e:  # the key itself is no setting
         from_mapping(RegenerateConfig, {"data": ["x"], "api_key": SECRET}, "test")

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from eyas.errors import EyasError
-from eyas.regenerate import RegenerateConfig, run
+from eyas.core.errors import EyasError
+from eyas.data.regenerate import RegenerateConfig, run
 
 TIMEOUT = 0.4  # --timeout: seconds one request may take
 RETRY_TIME = 1.6  # --retry-time: seconds one request may spend in retries
@@ -165,7 +165,7 @@ def servers():
 
 @pytest.fixture(autouse=True)
 def quick_backoff(monkeypatch):
-    monkeypatch.setattr("eyas.regenerate_server.BACKOFF_S", 0.05)
+    monkeypatch.setattr("eyas.data.server.BACKOFF_S", 0.05)
 
 
 def write_data(folder: Path, n: int = 8) -> Path:
@@ -295,7 +295,7 @@ def test_refused_connections_for_a_while(servers, tmp_path, tally):
 
 
 def test_a_server_down_stops_the_run_in_bounded_time(servers, tmp_path, monkeypatch, tally):
-    monkeypatch.setattr("eyas.regenerate_server.GIVE_UP_AFTER", 3)
+    monkeypatch.setattr("eyas.data.server.GIVE_UP_AFTER", 3)
     srv = servers(lambda n, body: "ok" if n < 2 else "hang")  # answers two conversations, then hangs forever
     data, out = write_data(tmp_path, 40), tmp_path / "out.jsonl"
     t0 = time.monotonic()

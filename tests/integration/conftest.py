@@ -78,7 +78,7 @@ def vllm_python() -> str:
 @pytest.fixture(scope="session")
 def smollm2_folder() -> Path:
     """The plain safetensors HF folder of SmolLM2-135M-Instruct that eyas converts once (what vLLM loads)."""
-    from eyas.target import resolve_source
+    from eyas.core.target import resolve_source
 
     return resolve_source("smollm2-135m")[1]
 

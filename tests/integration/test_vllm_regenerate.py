@@ -33,7 +33,7 @@ RUN_TIMEOUT_S = 3600
 
 
 def mt_bench(n: int) -> list[dict]:
-    from eyas.paths import shared_data_dir
+    from eyas.core.paths import shared_data_dir
 
     path = shared_data_dir() / "mt_bench" / "question.jsonl"
     with open(path, encoding="utf-8") as f:

@@ -59,7 +59,7 @@ def _key(recipe: dict) -> str:
 
 def recipe_dirs() -> tuple[Path, Path]:
     """(data folder: regenerated, prepared, store; training run folder inside it)."""
-    from eyas.paths import cache_dir
+    from eyas.core.paths import cache_dir
 
     data = cache_dir() / "integration" / f"smollm2-gsm8k-{_key(DATA_RECIPE)}"
     return data, data / f"run-{_key(TRAIN_RECIPE)}"
@@ -123,9 +123,9 @@ def exports(eyas, draft, tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory) -> tuple[Path, list[list[int]]]:
     """(JSONL of the first turns for eyas evaluate, their prompt ids through the chat template)."""
-    from eyas.chat import ChatRenderer
-    from eyas.evaluate import load_bench
-    from eyas.target import load_tokenizer
+    from eyas.core.target import load_tokenizer
+    from eyas.data.chat import ChatRenderer
+    from eyas.speculate.evaluate import load_bench
 
     items = load_bench(BENCH, PROMPTS)
     path = tmp_path_factory.mktemp("bench") / f"{BENCH}_first_turns.jsonl"

@@ -1,0 +1,157 @@
+"""One frozen dataclass per stage; the CLI and the TOML config are generated from its fields.
+
+A stage declares its settings once:
+
+    @dataclass(frozen=True, kw_only=True)
+    class ExtractConfig(StageConfig):
+        store: str = opt("runs/demo/store", "output store folder")
+        layers: tuple[int, ...] = opt((), "HF hidden_states indices of the three features; empty = [2, L//2, L-3]")
+
+`add_arguments(parser, ExtractConfig)` makes `--store`, `--layers 2 15 27`; `from_namespace` builds the
+dataclass back (running its `__post_init__` validation); `from_mapping` does the same for a TOML table.
+Defaults live only in the dataclass, never in argparse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from eyas.core.errors import EyasError
+
+
+def opt(default: Any, help: str, *, positional: bool = False, choices: tuple | None = None) -> Any:
+    """A dataclass field with its CLI help. `positional=True` makes it a positional argument."""
+    meta = {"help": help, "positional": positional, "choices": choices}
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("use a tuple default, dataclasses are frozen")
+    return dataclasses.field(default=default, metadata=meta)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageConfig:
+    """Settings every stage has."""
+
+    quiet: bool = opt(False, "print only errors and the final one-line summary")
+    json: bool = opt(False, "print the stage's summary as one JSON object on stdout (implies --quiet)")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, default=str)
+
+
+def _unwrap(tp: Any) -> tuple[Any, bool]:
+    """(inner type, optional?) for `X | None`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Add one argument per dataclass field of `cls` to `parser`."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp, _ = _unwrap(hints[f.name])
+        meta = f.metadata
+        default = f.default if f.default is not dataclasses.MISSING else None
+        helptext = meta.get("help", "")
+        kwargs: dict[str, Any] = {"help": f"{helptext} (default: {default!r})" if not meta.get("positional") else helptext}
+        origin = typing.get_origin(tp)
+        if tp is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif origin in (tuple, list):
+            inner = typing.get_args(tp)[0]
+            kwargs.update(nargs="*", type=inner)
+        elif origin is Literal:
+            kwargs.update(choices=typing.get_args(tp), type=type(typing.get_args(tp)[0]))
+        else:
+            kwargs["type"] = tp if tp in (int, float, str) else str
+        if meta.get("choices"):
+            kwargs["choices"] = meta["choices"]
+        if meta.get("positional"):
+            if origin in (tuple, list):
+                kwargs["nargs"] = "+" if default in ((), None) else "*"
+            elif default is not None:
+                kwargs["nargs"] = "?"
+            parser.add_argument(f.name, default=argparse.SUPPRESS, **kwargs)
+        else:
+            parser.add_argument(_flag(f.name), dest=f.name, default=argparse.SUPPRESS, **kwargs)
+
+
+def from_mapping(cls: type, values: dict, source: str = "arguments") -> Any:
+    """Build `cls` from a dict (CLI namespace or TOML table); unknown keys are an error naming them."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {k.replace("-", "_"): v for k, v in values.items()}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise EyasError(
+            f"unknown setting(s) {', '.join(unknown)} in {source}",
+            f"{cls.__name__} has no such field",
+            f"use one of: {', '.join(sorted(names))}",
+        )
+    hints = typing.get_type_hints(cls)
+    clean = {}
+    for k, v in values.items():
+        tp, _ = _unwrap(hints[k])
+        if typing.get_origin(tp) in (tuple, list) and isinstance(v, list):
+            v = tuple(v)
+        clean[k] = v
+    try:
+        return cls(**clean)
+    except TypeError as e:
+        raise EyasError(f"bad settings in {source}: {e}", fix="check the names and types of the settings") from None
+
+
+def from_namespace(cls: type, ns: argparse.Namespace) -> Any:
+    return from_mapping(cls, {k: v for k, v in vars(ns).items() if not k.startswith("_")})
+
+
+def load_toml(path: str | Path) -> dict:
+    """Read a TOML config file; errors name the file and line."""
+    p = Path(path)
+    if not p.is_file():
+        raise EyasError(f"config file {p} not found", fix="give the path of an existing .toml file")
+    try:
+        return tomllib.loads(p.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise EyasError(f"{p}: invalid TOML: {e}", fix="fix the syntax at the line named") from None
+
+
+def check(condition: bool, what: str, fix: str) -> None:
+    """Validation helper for __post_init__: raise an EyasError naming the value and the fix."""
+    if not condition:
+        raise EyasError(what, fix=fix)
+
+
+def to_argv(cfg: Any, only_changed: bool = True) -> list[str]:
+    """The command-line arguments that rebuild `cfg` (used to launch a stage under torchrun)."""
+    argv: list[str] = []
+    positional: list[str] = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if only_changed and f.default is not dataclasses.MISSING and value == f.default:
+            continue
+        if f.metadata.get("positional"):
+            positional += [str(v) for v in value] if isinstance(value, (tuple, list)) else [str(value)]
+        elif isinstance(value, bool):
+            argv.append(_flag(f.name) if value else "--no-" + f.name.replace("_", "-"))
+        elif isinstance(value, (tuple, list)):
+            argv += [_flag(f.name), *map(str, value)]
+        elif value is not None:
+            argv += [_flag(f.name), str(value)]
+    return positional + argv

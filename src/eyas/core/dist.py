@@ -1,0 +1,114 @@
+"""The one place that reads the distributed environment (RANK, WORLD_SIZE, LOCAL_RANK, ...).
+
+Everything else takes `rank, world_size` as arguments. `init()` returns a `DistEnv` once per process:
+gloo on CPU, NCCL when CUDA is present, chosen at run time, with a timeout on collectives so a dead
+rank makes the survivors fail with a clear error instead of hanging.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from eyas.core.errors import EyasError
+
+
+@dataclasses.dataclass(frozen=True)
+class DistEnv:
+    rank: int = 0  # global rank: the only rank that decides which data a process sees
+    world_size: int = 1
+    local_rank: int = 0  # rank within the node: only chooses the GPU
+    local_world_size: int = 1
+    device: str = "cpu"
+    backend: str = ""  # "" when not distributed
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.world_size // max(1, self.local_world_size))
+
+
+def read_env() -> DistEnv:
+    """The launcher's view of this process (torchrun sets these variables), without initialising anything."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    return DistEnv(rank=rank, world_size=world, local_rank=local, local_world_size=local_world, device=pick_device("auto", local))
+
+
+def pick_device(preference: str = "auto", local_rank: int = 0) -> str:
+    """'auto' -> cuda:<local_rank> when CUDA is available, else cpu."""
+    if preference != "auto":
+        return preference
+    return f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+
+
+def init(device: str = "auto", timeout_s: float = 600.0) -> DistEnv:
+    """Initialise the process group if launched with WORLD_SIZE > 1; returns this process's DistEnv."""
+    env = read_env()
+    dev = pick_device(device, env.local_rank)
+    if dev.startswith("cuda"):
+        torch.cuda.set_device(torch.device(dev))
+    if env.world_size == 1:
+        return dataclasses.replace(env, device=dev)
+    backend = "nccl" if dev.startswith("cuda") else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return dataclasses.replace(env, device=dev, backend=backend)
+
+
+# What a collective says when another rank is gone (gloo: its socket closed or reset; any backend: the timeout)
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "timed out",
+              "NCCL communicator was aborted", "remote process exited")
+
+
+def peer_failure(e: BaseException, env: DistEnv, fix: str) -> EyasError | None:
+    """The error to show when a collective failed because another rank died, hung or became unreachable (gloo
+    notices a dead peer's closed connection at once; a hung one after the collective timeout), else None."""
+    text = str(e)
+    if not env.distributed or not isinstance(e, RuntimeError) or not any(s in text for s in _PEER_LOST):
+        return None
+    detail = text.strip().split("\n")[0].split("] ", 1)[-1].split(". This is typically")[0]  # no source path
+    return EyasError(f"rank {env.rank} of {env.world_size}: lost contact with another rank ({detail})",
+                     "another rank died (killed, out of memory, crashed), stopped answering within the collective "
+                     "timeout, or the network between them failed; no rank can go on without it", fix)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_gather_objects(obj, env: DistEnv) -> list:
+    """Gather one picklable object per rank (eyas-made objects only: lists of ints, dicts of numbers)."""
+    if not env.distributed:
+        return [obj]
+    out = [None] * env.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_reduce_sum(values: list[float], env: DistEnv) -> list[float]:
+    """Sum a few numbers over ranks (counts, losses) in float64."""
+    if not env.distributed:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=env.device if env.backend == "nccl" else "cpu")
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def barrier(env: DistEnv) -> None:
+    if env.distributed:
+        dist.barrier()

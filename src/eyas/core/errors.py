@@ -1,0 +1,34 @@
+"""The one exception type eyas raises for problems a user can fix.
+
+Every message says what failed, why, and what to do, so the CLI can print it as-is without a traceback.
+"""
+
+import errno
+import re
+
+
+class EyasError(Exception):
+    """A user-facing error: `what` happened because `why`; `fix` says what to do."""
+
+    def __init__(self, what: str, why: str = "", fix: str = ""):
+        self.what, self.why, self.fix = what, why, fix
+        parts = [what]
+        if why:
+            parts.append(f"why: {why}")
+        if fix:
+            parts.append(f"fix: {fix}")
+        super().__init__("\n  ".join(parts))
+
+
+_DISK_FULL = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the disk quota is exceeded",
+              errno.EFBIG: "the file size limit is reached (ulimit -f, or the file system's largest file)"}
+
+
+def disk_full(e: BaseException) -> str | None:
+    """Why a write failed when it is for want of room (ENOSPC, EDQUOT, EFBIG, also inside a safetensors error), else
+    None: the errors a user fixes by freeing space rather than by changing anything in eyas."""
+    code = getattr(e, "errno", None)
+    if code is None:  # safetensors' Rust writer: "... I/O error: No space left on device (os error 28)"
+        m = re.search(r"\(os error (\d+)\)", str(e))
+        code = int(m.group(1)) if m else None
+    return _DISK_FULL.get(code)

@@ -1,0 +1,315 @@
+"""`eyas regenerate`: replace the assistant turns with the target's own answers.
+
+EAGLE-3 drafts learn far better from what the target itself says (on-policy data) than from another model's
+replies. For each conversation the system and user messages are replayed in order and a reply is generated after
+every user message, turn by turn: the second user message follows the target's own first answer. The input's
+assistant messages are dropped; prompt-only data (MT-Bench `turns`, plain prompts) works the same way.
+
+Backends:
+- local: the loaded target through `transformers` `generate`, `--batch-size` conversations a step (left-padded),
+  greedy at `--temperature 0`, else sampled; replies end at EOS / the template's end-of-turn token.
+- `--server URL`: any OpenAI-compatible `/v1/chat/completions` (vLLM, SGLang, llama.cpp) with `--concurrency`
+  conversations in flight on threads; each request has a `--timeout`, failures are retried with exponential
+  backoff up to `--retries` times within `--retry-time` seconds (eyas/regenerate_server.py).
+
+Output (docs/architecture.md, "Regenerated data"): a JSONL file, one `{"id", "messages", "source"}` per
+conversation, appended (flush + fsync) as each completes. A rerun skips ids already present; a last line torn by
+a killed run is ignored and removed (the file is rewritten without it, atomically). A lock file beside the output
+keeps a second run from writing the same file at the same time. Failed conversations are not
+written, so a rerun tries them again; the summary counts them by reason with their file and line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import torch
+
+from eyas.core.config import StageConfig, check, opt
+from eyas.core.dist import pick_device
+from eyas.core.errors import EyasError
+from eyas.core.generate import BatchGenerator, supports
+from eyas.core.log import console, fmt_duration, fmt_int
+from eyas.core.target import DEFAULT_TARGET, load_target
+from eyas.data.chat import ChatRenderer
+from eyas.data.formats import (
+    Conversation,
+    Issues,
+    read_conversations,
+    resolve_data,
+)
+from eyas.data.replies import LEFT_OUT, Dialogue, Failed, Reply, Sink, read_done
+from eyas.data.server import ServerBackend, run_server
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RegenerateConfig(StageConfig):
+    target: str = opt(DEFAULT_TARGET, "target that answers (local backend); a name, HF folder or .gguf")
+    data: tuple[str, ...] = opt((), "input files, folders or shorthands: mt-bench, gsm8k-train, gsm8k-test, chitchat, writingbench")
+    out: str = opt("runs/demo/regenerated.jsonl", "output JSONL, appended; a rerun skips the ids it holds")
+    max_samples: int = opt(0, "regenerate only the first N conversations of the input (0: all)")
+    max_new_tokens: int = opt(256, "longest reply in tokens")
+    temperature: float = opt(0.0, "0: greedy; above 0: sampled")
+    top_p: float = opt(1.0, "nucleus sampling mass when sampling")
+    seed: int = opt(0, "sampling seed")
+    max_turns: int = opt(0, "answer only the first N user turns of a conversation, dropping the rest (0: all)")
+    max_prompt_tokens: int = opt(0, "local backend: leave out prompts longer than N tokens, counted as left out "
+                                 "(0: whatever fits the context with --max-new-tokens)")
+    batch_size: int = opt(8, "local backend: conversations generated together")
+    generator: str = opt("auto", "local backend: lean (batched decoder for Llama-family targets, fast on CPUs), hf "
+                         "(transformers generate, any model); auto = lean where it applies", choices=("auto", "lean", "hf"))
+    device: str = opt("auto", "local backend: auto, cpu, cuda, cuda:1, ...")
+    dtype: str = opt("float32", "local backend: float32, bfloat16 or float16")
+    server: str = opt("", "OpenAI-compatible server URL (e.g. http://127.0.0.1:8000); empty: generate locally")
+    model: str = opt("", "model name sent to the server; empty: the first one its /v1/models lists")
+    concurrency: int = opt(8, "server backend: conversations in flight")
+    timeout: float = opt(300.0, "server backend: seconds one request may take")
+    retries: int = opt(4, "server backend: retries of a failed request (refused, timed out, 5xx, malformed)")
+    retry_time: float = opt(600.0, "server backend: seconds one request may spend in retries, in total")
+    api_key_file: str = opt("", "file holding the server's API key (else $EYAS_API_KEY; the key is never printed)")
+    trust_remote_code: bool = opt(False, "let transformers run code shipped with a target folder")
+
+    def __post_init__(self):
+        check(len(self.data) > 0, "no input data given", "pass --data FILE... (or a shorthand such as mt-bench)")
+        check(self.max_samples >= 0, f"--max-samples {self.max_samples} is negative", "use 0 for all")
+        check(self.max_turns >= 0, f"--max-turns {self.max_turns} is negative", "use 0 for all turns")
+        check(self.max_prompt_tokens >= 0, f"--max-prompt-tokens {self.max_prompt_tokens} is negative",
+              "use 0 for no limit beyond the context")
+        check(self.max_new_tokens >= 1, f"--max-new-tokens {self.max_new_tokens} is below 1", "use e.g. 256")
+        check(self.temperature >= 0, f"--temperature {self.temperature} is negative", "use 0 for greedy")
+        check(0 < self.top_p <= 1, f"--top-p {self.top_p} is not in (0, 1]", "use e.g. 0.95, or 1")
+        check(self.batch_size >= 1, f"--batch-size {self.batch_size} is below 1", "use e.g. 8")
+        check(self.concurrency >= 1, f"--concurrency {self.concurrency} is below 1", "use e.g. 8")
+        check(self.timeout > 0 and self.retry_time >= 0 and self.retries >= 0,
+              "--timeout must be positive and --retries, --retry-time not negative", "use the defaults")
+        check(bool(self.out), "--out is empty", "name the output JSONL file")
+
+
+class LocalBackend:
+    """The target itself, answering `batch_size` conversations per `generate` call."""
+
+    def __init__(self, cfg: RegenerateConfig, con):
+        self.cfg = cfg
+        self.target = load_target(cfg.target, dtype=cfg.dtype, device=pick_device(cfg.device),
+                                  trust_remote_code=cfg.trust_remote_code)
+        con.print(self.target.info())
+        self.renderer = ChatRenderer(self.target.tokenizer)
+        self.stops = self.renderer.stop_token_ids()
+        pad = self.target.tokenizer.pad_token_id
+        self.pad = pad if pad is not None else self.stops[0]
+        limit = getattr(self.target.text_config, "max_position_embeddings", None) or 1 << 30
+        self.max_prompt = limit - cfg.max_new_tokens
+        if cfg.max_prompt_tokens:
+            self.max_prompt = min(self.max_prompt, cfg.max_prompt_tokens)
+        torch.manual_seed(cfg.seed)
+        self.rng = torch.Generator(device=self.target.device).manual_seed(cfg.seed)
+        self.lean = self._lean(cfg.generator)
+
+    def _lean(self, choice: str):
+        """The batched lean decoder when it applies (Llama family, stops by token only), else None (generate)."""
+
+        fits = supports(self.target) and not self.renderer.stop_strings
+        if choice == "lean" and not fits:
+            raise EyasError(f"--generator lean does not apply to {self.target.name}",
+                            f"it decodes Llama-family targets that stop on a token (this is "
+                            f"{getattr(self.target.text_config, 'model_type', '?')}"
+                            f"{', with stop strings' if self.renderer.stop_strings else ''})",
+                            "use --generator hf (or auto)")
+        return BatchGenerator(self.target) if fits and choice != "hf" else None
+
+    @property
+    def name(self) -> str:
+        return self.target.name
+
+    def _too_long(self, n: int) -> Failed:
+        if self.cfg.max_prompt_tokens and n > self.cfg.max_prompt_tokens:
+            return Failed(LEFT_OUT, f"{n} tokens exceed --max-prompt-tokens {self.cfg.max_prompt_tokens}")
+        return Failed("prompt-too-long", f"{n} tokens + --max-new-tokens {self.cfg.max_new_tokens} exceed the context")
+
+    def generate(self, prompts: list[list[dict]]) -> list[Reply | Failed]:
+        """One reply per prompt (a Failed for a prompt too long for the target's context)."""
+
+        ids = [self.renderer.prompt_ids(p) for p in prompts]
+        ok = [i for i, x in enumerate(ids) if len(x) <= self.max_prompt]
+        out: list[Reply | Failed] = [self._too_long(len(x)) for x in ids]
+        if not ok:
+            return out
+        if self.lean is not None:
+            cfg = self.cfg
+            rows = self.lean.generate([ids[i] for i in ok], cfg.max_new_tokens, set(self.stops), cfg.temperature,
+                                      cfg.top_p, self.rng)
+            for row, i in zip(rows, ok):
+                out[i] = self._reply(row)
+            return out
+        width = max(len(ids[i]) for i in ok)
+        batch = torch.tensor([[self.pad] * (width - len(ids[i])) + ids[i] for i in ok])  # [B, T] left-padded
+        attn = torch.tensor([[0] * (width - len(ids[i])) + [1] * len(ids[i]) for i in ok])  # [B, T]
+        dev = self.target.device
+        with torch.no_grad():
+            gen = self.target.model.generate(input_ids=batch.to(dev), attention_mask=attn.to(dev), **self._sampling())
+        for row, i in zip(gen[:, width:].tolist(), ok):  # [B, new] generated tokens
+            out[i] = self._reply(row)
+        return out
+
+    def _sampling(self) -> dict:
+        cfg, greedy = self.cfg, self.cfg.temperature == 0
+        kw = dict(max_new_tokens=cfg.max_new_tokens, do_sample=not greedy, eos_token_id=self.stops,
+                  pad_token_id=self.pad, temperature=None if greedy else cfg.temperature,
+                  top_p=None if greedy else cfg.top_p, top_k=None)
+        if self.renderer.stop_strings:
+            kw.update(stop_strings=self.renderer.stop_strings, tokenizer=self.target.tokenizer)
+        return kw
+
+    def _reply(self, row: list[int]) -> Reply:
+        end = next((k for k, t in enumerate(row) if t in self.stops), None)
+        toks = row if end is None else row[:end]
+        text = self.target.tokenizer.decode(toks, skip_special_tokens=True)
+        clean = self.renderer.clean_reply(text)
+        stopped = end is not None or any(s in text for s in self.renderer.stop_strings)
+        return Reply(clean, len(toks) + (end is not None), cut=not stopped)
+
+
+def run_local(backend: LocalBackend, todo: list[Conversation], sink: Sink) -> None:
+    """Keep `batch_size` conversations active; each step answers the next user turn of all of them."""
+    queue = iter(todo)
+    active: list[tuple[Dialogue, list[dict]]] = []
+    while True:
+        while len(active) < backend.cfg.batch_size and (conv := next(queue, None)) is not None:
+            d = Dialogue(conv)
+            active.append((d, d.next_prompt()))
+        if not active:
+            return
+        replies = backend.generate([p for _, p in active])
+        sink.step(sum(r.tokens for r in replies if isinstance(r, Reply)))
+        still = []
+        for (d, _), r in zip(active, replies):
+            try:
+                if isinstance(r, Failed):
+                    raise r
+                d.answer(r)
+            except Failed as e:
+                sink.failed(d.conv, e)
+                continue
+            prompt = d.next_prompt()
+            if prompt is None:
+                sink.finished(d)
+            else:
+                still.append((d, prompt))
+        active = still
+
+
+# ---------------------------------------------------------------- the stage
+
+
+def pending(cfg: RegenerateConfig, done: set[str], issues: Issues) -> tuple[list[Conversation], int]:
+    """(conversations still to regenerate, how many of the first --max-samples are already done)."""
+    todo, seen, skipped = [], set(), 0
+    for conv in read_conversations(cfg.data, issues):
+        if conv.id in seen:
+            issues.add("duplicate-id", conv.where, f"id {conv.id!r} was already used")
+            continue
+        if cfg.max_samples and len(seen) >= cfg.max_samples:
+            break
+        seen.add(conv.id)
+        if conv.id in done:
+            skipped += 1
+        else:
+            todo.append(first_turns(conv, cfg.max_turns) if cfg.max_turns else conv)
+    return todo, skipped
+
+
+def first_turns(conv: Conversation, n: int) -> Conversation:
+    """The conversation up to (not including) its (n+1)-th user message: n user turns to answer."""
+    users = [i for i, m in enumerate(conv.messages) if m.role == "user"]
+    if len(users) <= n:
+        return conv
+    return dataclasses.replace(conv, messages=conv.messages[:users[n]])
+
+
+def run(cfg: RegenerateConfig) -> dict:
+    con = console(0, cfg.quiet, cfg.json)
+    out = Path(cfg.out)
+    if out.is_dir():
+        raise EyasError(f"--out {out} is a folder", fix="name a .jsonl file to write")
+    for spec in cfg.data:  # a missing file fails now, before anything is loaded
+        resolve_data(spec)
+    lock = lock_output(out)
+    try:
+        return _run(cfg, con, out)
+    finally:
+        lock.close()
+
+
+def lock_output(out: Path):
+    """An exclusive lock beside `out` for the run (the kernel drops it when the process dies, even by SIGKILL)."""
+    import fcntl  # POSIX only
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    f = open(out.with_name(f".{out.name}.lock"), "w")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise EyasError(f"another eyas regenerate is writing {out}", "two writers would duplicate conversations",
+                        "wait for it to finish, or choose another --out") from None
+    return f
+
+
+def _run(cfg: RegenerateConfig, con, out: Path) -> dict:
+    done = read_done(out, con)
+    issues = Issues()
+    todo, skipped = pending(cfg, done, issues)
+    t0 = time.perf_counter()
+    if cfg.server:
+
+        backend = ServerBackend(cfg, con) if todo else None
+    else:
+        backend = LocalBackend(cfg, con) if todo else None
+    con.print(f"regenerate: {fmt_int(len(todo))} conversations to do, {fmt_int(skipped)} already in {out}")
+    bar = con.progress(total=len(todo), desc="regenerate", unit="conv")
+    sink = Sink(out, bar)
+    stopped = ""
+    try:
+        if todo and cfg.server:
+            stopped = run_server(backend, todo, sink)
+        elif todo:
+            run_local(backend, todo, sink)
+    finally:
+        sink.close()
+        bar.close()
+    summary = _summary(cfg, backend, sink, issues, len(todo), skipped, stopped, time.perf_counter() - t0)
+    _report(con, summary, sink.failures, issues, sink.left_out)
+    return summary
+
+
+def _summary(cfg, backend, sink: Sink, issues: Issues, todo: int, skipped: int, stopped: str, elapsed: float) -> dict:
+    return {
+        "out": cfg.out, "data": list(cfg.data), "backend": "server" if cfg.server else "local",
+        "model": getattr(backend, "name", cfg.target), "to_do": todo, "done": sink.done, "skipped": skipped,
+        "failed": sink.failures.total(), "failures": sink.failures.to_dict(), "input_issues": issues.to_dict(),
+        "left_out": sink.left_out.total(), "left_out_reasons": sink.left_out.to_dict(),
+        "not_started": todo - sink.done - sink.failures.total() - sink.left_out.total(), "stopped_early": stopped,
+        "tokens": sink.tokens, "tokens_per_s": round(sink.tokens / max(elapsed, 1e-9), 2),
+        "replies_cut_at_max_new_tokens": sink.cut, "elapsed_s": round(elapsed, 3),
+    }
+
+
+def _report(con, s: dict, failures: Issues, issues: Issues, left_out: Issues) -> None:
+    if issues.counts:
+        con.print("\n".join(["input records skipped:", *issues.lines()]))
+    if left_out.counts:
+        con.print("\n".join(["left out by --max-prompt-tokens (not written; a rerun checks their length again):",
+                             *left_out.lines()]))
+    if failures.counts:
+        con.print("\n".join(["failed (not written; a rerun retries them):", *failures.lines()]), force=True)
+    if s["stopped_early"]:
+        con.print(f"stopped early: {s['stopped_early']}; completed work is kept, rerun to resume", force=True)
+    if s["replies_cut_at_max_new_tokens"]:
+        con.print(f"{fmt_int(s['replies_cut_at_max_new_tokens'])} replies stopped at --max-new-tokens")
+    con.summary(f"regenerate: {fmt_int(s['done'])} done, {fmt_int(s['skipped'])} skipped (already done), "
+                f"{fmt_int(s['failed'])} failed, "
+                + (f"{fmt_int(s['left_out'])} left out (--max-prompt-tokens), " if s["left_out"] else "")
+                + f"{fmt_int(s['tokens'])} tokens at {s['tokens_per_s']:.1f} tok/s, "
+                f"{fmt_duration(s['elapsed_s'])} -> {s['out']}")

@@ -1,0 +1,336 @@
+"""Drafters for `eyas.speculate.decode`: EAGLE-3 (chain and EAGLE-2 dynamic tree), prompt lookup, an oracle; and the
+controller that sizes each round's draft from measured costs.
+
+Every drafter has the same interface:
+    start(seq, feats)       the prompt was prefilled: seq = prompt + first token, feats [n,3H] of positions 0..n-1
+    propose(seq, T, gen, budget) -> Proposal   (budget: None = the configured size, 0 = draft nothing, k = k tokens)
+    update(seq, feats)      a round committed: seq grew; feats [a+1,3H] of the positions the target just kept
+    forward_time            seconds spent in model forwards (draft model + head), for the overhead share
+
+EAGLE-3 at inference, as vLLM runs it (docs/export.md, facts 3 and 4): the draft at position p reads (target
+features of p, embedding of token p+1) with rotary position p; its output there predicts token p+2; step k of a
+chain feeds its own pre-norm output back with the embedding of the token it just drafted, at position p+k.
+The draft's own cache holds only positions whose target features are known (committed); the speculative
+entries of a round live in a copy that is dropped after the round, so rejected tokens leave no trace.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import time
+
+import numpy as np
+import torch
+
+from eyas.speculate.decode import Proposal, Round
+from eyas.speculate.runner import sync
+
+
+class Drafter:
+    name = "drafter"
+    tree = False
+
+    def __init__(self, k: int):
+        self.k = k  # chain length, or tree depth
+        self.forward_time = 0.0  # seconds in model forwards
+        self.forward_calls = 0
+
+    @property
+    def max_depth(self) -> int:
+        return self.k
+
+    def start(self, seq: list[int], feats) -> None:
+        pass
+
+    def update(self, seq: list[int], feats) -> None:
+        pass
+
+    def propose(self, seq: list[int], temperature: float, gen, budget: int | None) -> Proposal:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeShape:
+    topk: int = 4  # children expanded per node, and nodes expanded per depth
+    depth: int = 5  # deepest draft position
+    size: int = 16  # candidates verified (tree nodes, root excluded)
+
+
+class Int8Linear(torch.nn.Module):
+    """Weight-only int8 linear for CPU drafting: w = int8 [N,K] * per-row scale [N], x in bf16. A one-token draft step
+    reads every weight once, so halving the bytes of the head (Vd x H, most of a draft step) halves its time. Only
+    the proposals can change (slightly); verification by the target is untouched, so outputs stay exact."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        w = linear.weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [N]
+        self.register_buffer("w8", (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale.to(torch.bfloat16))
+        self.out_features = linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # [M,K]
+        return torch._weight_int8pack_mm(flat, self.w8, self.scale).reshape(*x.shape[:-1], self.out_features)
+
+
+def quantize_int8(draft):
+    """A copy of the draft whose linear layers (fc, attention, MLP, head) are weight-only int8 (CPU, bf16)."""
+
+    q = copy.deepcopy(draft)
+    for name, module in list(q.named_modules()):
+        for child, sub in list(module.named_children()):
+            if isinstance(sub, torch.nn.Linear):
+                setattr(module, child, Int8Linear(sub))
+    return q
+
+
+class Eagle3Drafter(Drafter):
+    """An `eyas.draft.model.Eagle3Draft` fed by the target's features; chain of k, or a dynamic tree when `tree` is set."""
+
+    def __init__(self, draft, k: int = 5, tree: TreeShape | None = None, name: str = "eagle3"):
+        super().__init__(tree.depth if tree else k)
+        self.draft, self.shape, self.name, self.tree = draft, tree, name, tree is not None
+        self.device, self.dtype = draft.d2t.device, draft.embed_tokens.weight.dtype
+        self.target_ids = draft.target_ids()  # [Vd] target id of every draft entry
+        self.vocab = draft.cfg.vocab_size
+        self.start([], None)
+
+    def start(self, seq, feats) -> None:
+        self.cache = None  # per layer (k, v) [1,nkv,done,d] of committed positions
+        self.done = 0  # positions the committed cache holds
+        self.pending = [] if feats is None else [feats]  # target features not yet fed to the draft
+        self.ready = self._catch_up(seq) if feats is not None else None  # the draft's prefill, timed with the prompt
+
+    def update(self, seq, feats) -> None:
+        self.pending.append(feats)
+        self.ready = None
+
+    def _forward(self, ids, hidden, positions, cache, mask=None, last_only=False):
+        """Draft pass + head: ids [1,T], hidden [1,T,3Ht|H], positions [1,T] -> (h [1,T,H], logits [T|1,Vd], cache)."""
+        sync(self.device)
+        t0 = time.perf_counter()
+        h, cache = self.draft(ids, hidden, positions, cache, mask)
+        logits = self.draft.logits(h[0, -1:] if last_only else h[0])
+        sync(self.device)
+        self.forward_time += time.perf_counter() - t0
+        self.forward_calls += 1
+        return h, logits, cache
+
+    def _catch_up(self, seq):
+        """Feed the pending features (positions done..done+n-1, paired with tokens done+1..done+n) into the committed
+        cache. -> (h [1,1,H], logits [Vd]) at the last position: the draft's view of the token after seq[-1]."""
+        feats = torch.cat(self.pending, dim=0)  # [n,3Ht]
+        n, p0 = feats.shape[0], self.done
+        ids = torch.tensor(seq[p0 + 1: p0 + n + 1], device=self.device)[None]  # [1,n]
+        pos = torch.arange(p0, p0 + n, device=self.device)[None]
+        h, logits, self.cache = self._forward(ids, feats[None].to(self.dtype), pos, self.cache,
+                                              last_only=True)
+        self.done, self.pending = p0 + n, []
+        return h[:, -1:], logits[-1]
+
+    def propose(self, seq, temperature, gen, budget) -> Proposal:
+        k = self.k if budget is None else min(budget, self.k)
+        if k <= 0:
+            return Proposal.empty()
+        h, logits = self.ready if self.ready is not None else self._catch_up(seq)
+        self.ready = None
+        if self.tree:
+            return self._tree(h, torch.log_softmax(logits.float(), -1))
+        return self._chain(h, logits, k, temperature, gen)
+
+    def _chain(self, h, logits, k, temperature, gen) -> Proposal:
+        cache, pos = self.cache, self.done - 1  # the catch-up's last position m-1 predicted token m+1
+        drafted, qs = [], []
+        for i in range(k):
+            if temperature <= 0:
+                d = int(logits.argmax())
+            else:  # sample from q = softmax(logits / T), kept on the target vocabulary for the acceptance rule
+                probs = torch.softmax(logits.float() / temperature, -1)
+                d = int(torch.multinomial(probs, 1, generator=gen))
+                qs.append(torch.zeros(self.vocab, device=probs.device).index_copy_(0, self.target_ids, probs))
+            drafted.append(int(self.target_ids[d]))
+            if i + 1 < k:
+                ids = torch.tensor([[drafted[-1]]], device=self.device)
+                h, lg, cache = self._forward(ids, h, torch.tensor([[pos + 1 + i]], device=self.device), cache)
+                logits = lg[0]
+        return Proposal.chain(drafted, torch.stack(qs) if qs else None)
+
+    def _tree(self, h_root, logp_root) -> Proposal:
+        """EAGLE-2 dynamic tree: expand the top-k nodes of each depth by cumulative log-probability, then keep the
+        `size` best candidates of all depths (a set closed under ancestors, since a child never scores above its
+        parent and ties go to the shallower node)."""
+        K, D, N = self.shape.topk, self.shape.depth, self.shape.size
+        dev, C, pos_root = self.device, self.done, self.done - 1
+        score, tok = logp_root.topk(K)  # [K] depth-1 candidates
+        pool_tok, pool_score, pool_parent, pool_depth = [tok], [score], [torch.full((K,), -1)], [torch.ones(K)]
+        front = torch.arange(K)  # pool ids of the nodes to expand
+        f_tok, f_score, f_hidden = tok, score, h_root.expand(1, K, -1)
+        f_anc = [[] for _ in range(K)]  # tree-cache slots of each frontier node's ancestors
+        cache, S, base = self.cache, C, K
+        for depth in range(2, D + 1):
+            T = f_tok.numel()
+            mask = torch.zeros(T, S + T, dtype=torch.bool)
+            mask[:, :C] = True
+            for r, anc in enumerate(f_anc):
+                mask[r, anc + [S + r]] = True
+            pos = torch.full((1, T), pos_root + depth - 1, device=dev)
+            ids = self.target_ids[f_tok.to(dev)][None]  # [1,T] the embedding takes target ids
+            h, logits, cache = self._forward(ids, f_hidden, pos, cache, mask[None, None].to(dev))
+            cs, cx = torch.log_softmax(logits.float(), -1).topk(K, dim=-1)  # [T,K] children of every frontier node
+            cscore = (f_score[:, None] + cs).flatten()  # cumulative log-probability
+            pool_tok.append(cx.flatten())
+            pool_score.append(cscore)
+            pool_parent.append(front.repeat_interleave(K))
+            pool_depth.append(torch.full((T * K,), float(depth)))
+            top = cscore.topk(min(K, T * K)).indices.cpu()
+            front, f_tok, f_score = base + top, cx.flatten()[top], cscore[top]
+            f_hidden = h[:, top // K]
+            f_anc = [f_anc[int(i)] + [S + int(i)] for i in top // K]
+            S, base = S + T, base + T * K
+        return self._select(torch.cat(pool_tok), torch.cat(pool_score).cpu(), torch.cat(pool_parent),
+                            torch.cat(pool_depth), N)
+
+    def _select(self, tok, score, parent, depth, N) -> Proposal:
+        order = torch.sort(depth, stable=True).indices  # shallower first on equal scores
+        order = order[torch.sort(-score[order], stable=True).indices]
+        keep = order[:N].sort().values  # pool order = parents before children
+        new_id = torch.full((tok.numel(),), -1, dtype=torch.long)
+        new_id[keep] = torch.arange(keep.numel())
+        par = parent[keep]
+        parents = torch.where(par >= 0, new_id[par.clamp_min(0)], par)
+        return Proposal(self.target_ids[tok[keep].to(self.device)].cpu(), parents, scores=score[keep])
+
+
+class PromptLookupDrafter(Drafter):
+    """n-gram prompt lookup: find the latest earlier occurrence of the last n tokens (n = ngram..1) in the
+    sequence and propose the k tokens that followed it. Free: no model runs."""
+
+    name = "prompt-lookup"
+
+    def __init__(self, k: int = 7, ngram: int = 3):
+        super().__init__(k)
+        self.ngram = ngram
+
+    def propose(self, seq, temperature, gen, budget) -> Proposal:
+        k = self.k if budget is None else min(budget, self.k)
+        if k <= 0 or len(seq) < 2:
+            return Proposal.empty()
+        arr = np.asarray(seq)
+        for n in range(min(self.ngram, len(seq) - 1), 0, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # starts whose continuation exists
+            hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
+            if hits.size:
+                i = int(hits[-1]) + n
+                return Proposal.chain(arr[i: i + k].tolist())
+        return Proposal.empty()
+
+
+class OracleDrafter(Drafter):
+    """Proposes a known continuation (the target's own greedy output): at temperature 0 every token is accepted.
+    With `tree=True` each true token has a wrong sibling placed before it, and that sibling a child carrying the
+    next true token, so verification must pick the right branch and ignore a right token on a wrong branch."""
+
+    name = "oracle"
+
+    def __init__(self, k: int, tree: bool = False, vocab: int = 2):
+        super().__init__(k)
+        self.tree, self.vocab, self.reference, self.offset = tree, vocab, [], 0
+
+    def set_reference(self, tokens: list[int]) -> None:
+        self.reference = list(tokens)
+
+    def start(self, seq, feats) -> None:
+        self.offset = len(seq) - 1  # seq = prompt + first generated token
+
+    def propose(self, seq, temperature, gen, budget) -> Proposal:
+        k = self.k if budget is None else min(budget, self.k)
+        done = len(seq) - self.offset
+        truth = self.reference[done: done + k]
+        if not self.tree or not truth:
+            return Proposal.chain(truth)
+        tokens, parents, last = [], [], -1
+        for i, t in enumerate(truth):
+            decoy = (t + 1) % self.vocab
+            tokens += [decoy, t]
+            parents += [last, last]
+            last = len(tokens) - 1
+            if i + 1 < len(truth):  # the next true token, under the decoy
+                tokens.append(truth[i + 1])
+                parents.append(last - 1)
+        # parents must precede children: the decoy's child was appended before the true child's children
+        return Proposal(torch.tensor(tokens), torch.tensor(parents))
+
+
+class Controller:
+    """Chooses each round's draft size to maximise expected tokens per second (`choose`), learning as it goes.
+
+    Chain of k tokens, each accepted with probability alpha given the ones before (geometric model):
+        E[tokens](k) = sum_{i=0..k} alpha^i = (1 - alpha^(k+1)) / (1 - alpha)
+        cost(k)      = t(k+1) + k * t_step            (t from measured target latencies, t_step the draft step)
+    alpha = A / (A + R): A accepted tokens, R rounds ending in a rejection, both decayed by `decay` per drafted
+    round, from a prior of one each. A tree has one size: E = the decayed mean of its rounds' a + 1.
+    Plain decoding (k = 0: E = 1, cost t(1)) wins when the draft is poor; then a probe round drafts anyway,
+    often enough to notice a change but rarely enough to cost at most `probe_share` of the time. The first four
+    rounds draft in full whatever the priors say, so that a tree's yield is measured before it is judged.
+    """
+
+    def __init__(self, latency: dict[int, float], kmax: int, tree_size: int | None = None,
+                 decay: float = 0.9, probe_share: float = 0.02):
+        self.lat = sorted(latency.items())
+        self._t: dict[int, float] = {}
+        self.kmax, self.tree_size, self.decay, self.probe_share = kmax, tree_size, decay, probe_share
+        self.A, self.R = 1.0, 1.0
+        self.tree_tokens, self.tree_weight = 2.0, 1.0  # prior: a tree yields two tokens a round
+        self.t_step = 0.05 * self.t(1)  # first guess of a draft step, replaced by measurements
+        self.idle = 0  # plain rounds since the last drafted one
+        self.observed, self.warm = 0, 4  # drafted rounds seen; the first `warm` rounds draft in full
+
+    def t(self, q: int) -> float:
+        """Target latency for q tokens, linear between measured points (flat beyond the ends)."""
+        if q not in self._t:
+            qs, ts = zip(*self.lat)
+            self._t[q] = float(np.interp(q, qs, ts))
+        return self._t[q]
+
+    def expected(self, k: int) -> float:
+        a = self.A / (self.A + self.R)
+        return float(sum(a ** i for i in range(k + 1)))
+
+    def options(self) -> list[tuple[int, float, float]]:
+        """(budget, expected tokens, cost) of every choice; budget None = the full tree."""
+        opts = [(0, 1.0, self.t(1))]
+        if self.tree_size:
+            depth = self.kmax
+            opts.append((None, self.tree_tokens / self.tree_weight, self.t(self.tree_size + 1) + depth * self.t_step))
+        else:
+            opts += [(k, self.expected(k), self.t(k + 1) + k * self.t_step) for k in range(1, self.kmax + 1)]
+        return opts
+
+    def choose(self) -> int | None:
+        opts = self.options()
+        if self.observed < self.warm:  # try the full draft a few times before trusting the estimates
+            return opts[-1][0]
+        best = max(opts, key=lambda o: o[1] / o[2])
+        if best[0] != 0:
+            return best[0]
+        probe = min(opts[1:], key=lambda o: o[2])  # the cheapest drafting option
+        every = math.ceil(max(probe[2] - self.t(1), 0.0) / (self.probe_share * self.t(1))) + 1
+        self.idle += 1
+        return probe[0] if self.idle >= every else 0
+
+    def observe(self, r: Round) -> None:
+        if r.depth == 0:
+            return
+        self.idle = 0
+        self.observed += 1
+        steps = r.depth if not self.tree_size else self.kmax
+        self.t_step = 0.7 * self.t_step + 0.3 * r.draft_s / max(steps, 1)
+        if self.tree_size:
+            self.tree_tokens = self.decay * self.tree_tokens + r.accepted + 1
+            self.tree_weight = self.decay * self.tree_weight + 1
+        else:
+            self.A = self.decay * self.A + r.accepted
+            self.R = self.decay * self.R + (1 if r.accepted < r.depth else 0)

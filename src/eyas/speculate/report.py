@@ -1,0 +1,238 @@
+"""The figures of `eyas evaluate` (from its per-turn records), results.json, report.md and the plots.
+
+Definitions (tau and the per-position rates: `eyas.speculate.decode`):
+- tokens/s: decode tokens / decode seconds, summed over turns; a turn's decode part is everything after the
+  prompt's forward and first token (so prefill, equal for every method, does not dilute the ratio; the
+  end-to-end ratio with prefill is reported beside it). transformers' `generate` is timed the same way, from
+  its first to its last token.
+- baseline: the faster of eyas's plain greedy loop and transformers' `generate`; speedup = tokens/s over it.
+- predicted speedup: what the measured costs allow with zero overhead,
+      sum_rounds (a + 1) * t(1) / sum_rounds (t(q) + draft seconds),   q = 1 + tokens verified that round,
+  with t(q) from the latency table; for a fixed chain of k this is tau * t(1) / (t(k+1) + k * t_draft).
+- engine efficiency: measured speedup / predicted speedup.
+- overhead share: (decode seconds - target forwards - draft forwards) / decode seconds.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from eyas.core.log import write_json
+from eyas.speculate.decode import acceptance_stats
+
+
+def _tps(recs) -> float | None:
+    toks = sum(max(len(r["tokens"]) - 1, 0) for r in recs)
+    secs = sum(r["decode_s"] for r in recs)
+    return toks / secs if secs > 0 else None
+
+
+def _t(latency: dict, q: int) -> float:
+    qs = sorted(latency)
+    return float(np.interp(q, qs, [latency[x] for x in qs]))
+
+
+def method_figures(recs: list[dict], base_tps: float | None, latency: dict) -> dict:
+    """Figures of one method over some turns (see the module docstring)."""
+    rounds = [r for rec in recs for r in rec["rounds"]]
+    stats = acceptance_stats([r["accepted"] for r in rounds], [r["depth"] for r in rounds])
+    tps = _tps(recs)
+    decode = sum(r["decode_s"] for r in recs)
+    target_s, draft_s = sum(r["target_s"] for r in rounds), sum(r["draft_s"] for r in rounds)
+    calls = sum(r["draft_calls"] for r in rounds)
+    ideal = sum(_t(latency, 1 + r["size"]) + r["draft_s"] for r in rounds)
+    predicted = sum(r["accepted"] + 1 for r in rounds) * _t(latency, 1) / ideal if ideal else None
+    speedup = tps / base_tps if tps and base_tps else None
+    return {"turns": len(recs), "tokens": sum(len(r["tokens"]) for r in recs), "decode_s": decode,
+            "tokens_per_s": tps, "speedup": speedup, "predicted_speedup": predicted,
+            "efficiency": speedup / predicted if speedup and predicted else None,
+            "overhead_share": (decode - target_s - draft_s) / decode if decode else None,
+            "verify_ms": 1000 * target_s / len(rounds) if rounds else None,
+            "draft_step_ms": 1000 * draft_s / calls if calls else None, **stats}
+
+
+def _lossless(recs: list[dict], tokenizer) -> dict:
+    bad = [r for r in recs if r.get("divergence") is not None]
+    if not bad:
+        return {"checked": True, "identical": True, "turns": len(recs), "first_divergence": None}
+    r = bad[0]
+    i, ref = r["divergence"], r["reference"]
+    got = r["tokens"]
+    pick = lambda seq: seq[i] if i < len(seq) else None  # noqa: E731
+    return {"checked": True, "identical": False, "turns": len(recs), "diverging_turns": len(bad),
+            "first_divergence": {"id": r["id"], "turn": r["turn"], "index": i, "expected": pick(ref), "got": pick(got),
+                                 "expected_text": tokenizer.decode([pick(ref)]) if pick(ref) is not None else None,
+                                 "got_text": tokenizer.decode([pick(got)]) if pick(got) is not None else None,
+                                 "target_margin": r.get("margin")}}
+
+
+def _samples(recs: list[dict], tokenizer, limit: int = 3) -> list[dict]:
+    """A few generations with the tokens each round accepted, for the run report: pieces[0] came from the prompt's
+    forward, then round r emitted accepted[r] draft tokens and one of the target's own."""
+    return [{"id": r["id"], "category": r["category"], "turn": r["turn"], "method": r["method"], "prompt": r["user"],
+             "pieces": [tokenizer.decode([t]) for t in r["tokens"]],
+             "accepted": [x["accepted"] for x in r["rounds"]]} for r in recs[:limit]]
+
+
+def aggregate(cfg, target, draft, runner, items, methods, records, latency) -> dict:
+    by = lambda name, cat=None: [r for r in records if r["method"] == name and cat in (None, r["category"])]  # noqa
+    cats = sorted({i.category for i in items})
+    plain_tps, hf_tps = _tps(by("plain")), _tps(by("hf_generate")) if cfg.hf_generate else None
+    chosen = "hf_generate" if hf_tps and plain_tps and hf_tps > plain_tps else "plain"
+    base = {"eyas_greedy": {"tokens_per_s": plain_tps, "decode_s": sum(r["decode_s"] for r in by("plain"))},
+            "chosen": chosen, "tokens_per_s": hf_tps if chosen == "hf_generate" else plain_tps}
+    if cfg.hf_generate:
+        same = all(h["tokens"] == p["tokens"] for h, p in zip(by("hf_generate"), by("plain")))
+        base["hf_generate"] = {"tokens_per_s": hf_tps, "decode_s": sum(r["decode_s"] for r in by("hf_generate")),
+                               "same_tokens_as_eyas": same if cfg.temperature == 0 else None}
+    configs = []
+    for m in methods:
+        fig = method_figures(by(m.name), base["tokens_per_s"], latency)
+        e2e = [r for r in by(m.name)]
+        e2e_plain = sum(len(r["tokens"]) for r in by("plain")) / sum(r["decode_s"] + r["prefill_s"] for r in by("plain"))
+        e2e_m = sum(len(r["tokens"]) for r in e2e) / sum(r["decode_s"] + r["prefill_s"] for r in e2e)
+        per_cat = {}
+        for c in cats:
+            f = method_figures(by(m.name, c), _tps(by(chosen, c)), latency)
+            per_cat[c] = {k: f[k] for k in ("turns", "tau", "speedup", "tokens_per_s", "accept_rate_by_position")}
+        configs.append({"name": m.name, "drafter": m.source, "mode": m.mode, "k": m.k,
+                        "adaptive": m.controller is not None, **fig,
+                        "end_to_end_speedup_vs_eyas_greedy": e2e_m / e2e_plain,
+                        "lossless": _lossless(by(m.name), target.tokenizer) if cfg.temperature == 0 else
+                        {"checked": False, "identical": None, "first_divergence": None},
+                        "per_category": per_cat})
+    best = max(configs, key=lambda c: c["speedup"] or 0.0, default=None)
+    drafted = [c for c in configs if c["drafter"] == "eagle3"] or configs
+    shown = max(drafted, key=lambda c: c["speedup"] or 0.0, default=None)
+    settings = {k: v for k, v in cfg.to_dict().items() if k not in ("quiet", "json")}
+
+    return {"settings": settings,
+            "target": {**target.identity(), "dtype": str(target.dtype).removeprefix("torch."),
+                       "device": str(target.device), "runner": type(runner).__name__},
+            "draft": {"path": cfg.draft, "feature_layers": list(draft.cfg.feature_layers),
+                      "draft_vocab_size": draft.cfg.draft_vocab_size, "num_layers": draft.cfg.num_layers},
+            "bench": {"name": cfg.bench, "prompts": len(items), "turns": sum(len(i.turns) for i in items),
+                      "categories": cats},
+            "threads": torch.get_num_threads(),
+            "latency_ms": {str(q): 1000 * latency[q] for q in sorted(latency)}, "latency_prefix": cfg.latency_prefix,
+            "baseline": base, "configs": configs,
+            "best": {k: best[k] for k in ("name", "speedup", "tau")} if best else None,
+            "samples": _samples(by(shown["name"]), target.tokenizer) if shown else [],
+            "records": [{k: r[k] for k in ("id", "category", "turn", "method", "decode_s", "prefill_s")}
+                        | {"tokens": len(r["tokens"])} for r in records]}
+
+
+def _fmt(x, spec=".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def summary_lines(res: dict) -> list[str]:
+    b = res["baseline"]
+    lines = [f"latency t(q) ms: " + ", ".join(f"t({q})={v:.1f}" for q, v in res["latency_ms"].items()
+                                             if int(q) in (1, 4, 8, 16, 32)),
+             f"baseline: eyas greedy {_fmt(b['eyas_greedy']['tokens_per_s'], '.1f')} tok/s"
+             + (f", transformers generate {_fmt(b['hf_generate']['tokens_per_s'], '.1f')} tok/s" if "hf_generate" in b else "")
+             + f" -> baseline {b['chosen']} {_fmt(b['tokens_per_s'], '.1f')} tok/s",
+             f"{'config':<30} {'tau':>5} {'tok/s':>7} {'speedup':>7} {'pred.':>6} {'eff.':>5} {'ovh.':>5}  lossless  "
+             "accept rate by position"]
+    for c in res["configs"]:
+        ll = c["lossless"]
+        verdict = "n/a" if not ll["checked"] else "yes" if ll["identical"] else "NO"
+        rates = " ".join(_fmt(r) for r in c["accept_rate_by_position"])
+        lines.append(f"{c['name']:<30} {_fmt(c['tau']):>5} {_fmt(c['tokens_per_s'], '.1f'):>7} "
+                     f"{_fmt(c['speedup']):>7} {_fmt(c['predicted_speedup']):>6} {_fmt(c['efficiency']):>5} "
+                     f"{_fmt(100 * c['overhead_share'] if c['overhead_share'] is not None else None, '.0f'):>4}%  "
+                     f"{verdict:<8}  {rates}")
+        if ll.get("first_divergence"):
+            d = ll["first_divergence"]
+            lines.append(f"   first divergence: prompt {d['id']} turn {d['turn']} token {d['index']}: expected "
+                         f"{d['expected_text']!r} got {d['got_text']!r} (target top-2 margin {_fmt(d['target_margin'], '.3f')})")
+    return lines
+
+
+def _plots(res: dict, out: Path) -> list[str]:
+    import matplotlib  # heavy: loaded only where a plot is drawn
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # heavy: loaded only where a plot is drawn
+
+    files = []
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for c in res["configs"]:
+        r = c["accept_rate_by_position"]
+        ax.plot(range(1, len(r) + 1), [np.nan if x is None else x for x in r], marker="o", label=c["name"])
+    ax.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.05), title="Acceptance by position")
+    ax.legend(fontsize=7)
+    files.append(_save(fig, out / "acceptance_by_position.png"))
+    cats = res["bench"]["categories"]
+    fig, ax = plt.subplots(figsize=(max(7, len(cats)), 4))
+    width = 0.8 / max(len(res["configs"]), 1)
+    for j, c in enumerate(res["configs"]):
+        ax.bar(np.arange(len(cats)) + j * width, [c["per_category"][k]["tau"] or 0 for k in cats], width, label=c["name"])
+    ax.set_xticks(np.arange(len(cats)) + 0.4 - width / 2, cats, rotation=30, fontsize=8)
+    ax.set(ylabel="tau (tokens per round)", title="tau per category")
+    ax.legend(fontsize=7)
+    files.append(_save(fig, out / "tau_per_category.png"))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = [c["name"] for c in res["configs"]]
+    x = np.arange(len(names))
+    ax.bar(x - 0.2, [c["speedup"] or 0 for c in res["configs"]], 0.4, label="measured")
+    ax.bar(x + 0.2, [c["predicted_speedup"] or 0 for c in res["configs"]], 0.4, label="predicted from latencies")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(x, names, rotation=20, fontsize=7, ha="right")
+    ax.set(ylabel="speedup over the baseline", title="Speedup per configuration")
+    ax.legend(fontsize=7)
+    files.append(_save(fig, out / "speedup.png"))
+    return files
+
+
+def _save(fig, path: Path) -> str:
+    import matplotlib.pyplot as plt  # heavy: loaded only where a plot is drawn
+
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.tight_layout()
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+    return str(path)
+
+
+def _markdown(res: dict) -> str:
+    s, t = res["settings"], res["target"]
+    lines = [f"# eyas evaluate: {res['bench']['name']}", "",
+             f"Target {t['name']} ({t['dtype']}, {t['device']}, {res['threads']} threads, runner {t['runner']}); "
+             f"draft `{res['draft']['path']}` (linears {res['draft'].get('quant', 'none')}); {res['bench']['prompts']} prompts, {res['bench']['turns']} turns; "
+             f"temperature {s['temperature']}, at most {s['max_new_tokens']} new tokens; adaptive {s['adaptive']}.", "",
+             "```", *summary_lines(res), "```", "",
+             "tau: tokens per target verification round, bonus included. Speedup: decode tokens/s over the faster of "
+             "eyas's greedy loop and transformers' generate. Predicted: sum (a+1) t(1) / sum (t(q) + draft time) from "
+             "the measured latencies; efficiency = measured / predicted; overhead = share of decode time outside the "
+             "target and draft forwards.", "", "## Latency of the target", "", "| q | t(q) ms | t(q)/t(1) |", "|---|---|---|"]
+    t1 = res["latency_ms"]["1"]
+    lines += [f"| {q} | {v:.1f} | {v / t1:.2f} |" for q, v in res["latency_ms"].items()]
+    lines += ["", "## Per category", "", "| config | category | turns | tau | speedup |", "|---|---|---|---|---|"]
+    for c in res["configs"]:
+        lines += [f"| {c['name']} | {k} | {v['turns']} | {_fmt(v['tau'])} | {_fmt(v['speedup'])} |"
+                  for k, v in c["per_category"].items()]
+    lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in res.get("_plots", [])]
+    return "\n".join(lines) + "\n"
+
+
+def write(res: dict, out: Path, tokenizer=None) -> dict:
+    """OUT/results.json, OUT/report.md and the PNG plots (each written atomically)."""
+    out.mkdir(parents=True, exist_ok=True)
+    plots = _plots(res, out)
+    files = {"results": str(out / "results.json"), "report": str(out / "report.md"), "plots": plots}
+    res = {**res, "files": files}
+    write_json(out / "results.json", res)
+    tmp = out / "report.md.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(_markdown({**res, "_plots": plots}))
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(out / "report.md")
+    return files

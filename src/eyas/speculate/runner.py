@@ -1,0 +1,265 @@
+"""The target side of speculative decoding: forward q new tokens over a KV cache, return logits and features.
+
+`TargetRunner.forward(ids, positions, tree)` runs q new tokens after the `length` committed cache entries and
+returns the logits at every new position and the three EAGLE-3 feature layers [q, 3H] (low|mid|high). Nothing
+is committed until `commit(rows)` says which of the q new entries to keep (their indices, in order): a chain
+keeps a prefix, a tree keeps the accepted path, gathered in place to the positions after the prefix; the rest
+is discarded and later overwritten. The prefix is never recomputed.
+
+Two implementations of one contract:
+- `LeanRunner` (Llama-family targets: llama, mistral, qwen2): the decoder written out over the Hugging Face
+  modules' own weights, with a preallocated cache, one fused qkv and one fused gate|up matmul per layer. It
+  computes what `LlamaForCausalLM` computes, without the per-layer dispatch, mask building and output objects
+  that dominate a one-token step on a CPU. Features are read from the residual stream as it passes.
+- `HFRunner` (any causal LM): the model's own forward with a `DynamicCache` and a 4D mask; features are captured
+  by forward hooks on the decoder layers (no `output_hidden_states`). The reference the lean runner is tested
+  against, and the fallback for other architectures.
+
+Feature layers are HF `hidden_states` indices: 0 = embedding output, i = output of decoder layer i-1.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from eyas.core.generate import fuse_projections, layer_forward, supports
+
+
+def attention_mask(prefix: int, tree: torch.Tensor | None, q: int, device) -> torch.Tensor | None:
+    """Bool mask [1,1,q,prefix+q] (True = may attend): every new token sees the whole prefix; among the new
+    tokens, `tree` [q,q] (ancestor-or-self) or causal when None. None when q == 1 (attend to everything)."""
+    if q == 1:
+        return None
+    new = tree if tree is not None else torch.ones(q, q, dtype=torch.bool, device=device).tril()
+    return torch.cat((torch.ones(q, prefix, dtype=torch.bool, device=device), new), dim=1)[None, None]
+
+
+def _attend(q, k, v, mask) -> torch.Tensor:  # mask: [1,1,rep*T,S], already repeated per query head (_rep_mask)
+    """Attention in which every query row is computed exactly as a one-token decoding step computes it, so that a
+    verification over q tokens reproduces plain decoding bit for bit (greedy speculation is then lossless in bf16
+    too, not only in exact arithmetic). q [1,nh,T,d], k/v [1,nkv,S,d], mask [1,1,T,S] or None -> [1,nh,T,d].
+
+    - scores q.k by the model-dtype matmul: each score is one d-long dot product, the same for any T and S
+      (bf16 matmuls are row-invariant on CPU; SDPA's fused kernel is not: its blocking depends on T);
+    - softmax and the weighted sum of values in float64: masked keys add exact zeros, and a different row length or
+      order of summation changes the float64 result by ~1e-16, never the rounding to the model dtype.
+    The rep query heads sharing a kv head are laid out as rep*T rows of that head (HF's repeat_kv maps head h to
+    kv head h // rep), so k and v are never copied per head."""
+    _, nh, T, d = q.shape
+    nkv = k.shape[1]
+    rep = nh // nkv
+    qg = q.reshape(1, nkv, rep * T, d)  # row r*T + t = head g*rep + r, token t
+    scores = torch.matmul(qg, k.transpose(-1, -2)).double() * d ** -0.5  # [1,nkv,rep*T,S]
+    if mask is not None:
+        scores = scores.masked_fill(mask, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v.double())  # [1,nkv,rep*T,d]
+    return out.to(q.dtype).reshape(1, nh, T, d)
+
+
+def _rep_mask(mask: torch.Tensor | None, rep: int) -> torch.Tensor | None:
+    """attention_mask [1,1,T,S] (True = may attend) -> masked keys per query row of _attend [1,1,rep*T,S]."""
+    return None if mask is None else ~mask.repeat(1, 1, rep, 1)
+
+
+class TargetRunner:
+    """Shared bookkeeping: committed length, feature layer ids, timing of every forward (seconds)."""
+
+    def __init__(self, target, feature_layers):
+        self.target = target
+        self.model = target.model
+        self.feature_layers = tuple(int(i) for i in feature_layers)
+        self.length = 0  # committed cache entries (= sequence positions the target has processed)
+        self.pending = 0  # uncommitted entries written by the last forward
+        self.forward_time = 0.0  # accumulated wall time of forward passes (for the overhead share)
+
+    @property
+    def device(self):
+        return self.target.device
+
+    def reset(self) -> None:
+        self.length, self.pending, self.forward_time = 0, 0, 0.0
+        self._reset_cache()
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None, tree: torch.Tensor | None = None,
+                last_only: bool = False):
+        """ids [q] new tokens after the committed prefix; positions [q] (default length..length+q-1); tree [q,q]
+        bool ancestor-or-self mask among the new tokens (default causal). Returns (logits [q|1, V] in the model
+        dtype, features [q, 3H]). Uncommitted entries of an earlier forward are dropped first."""
+        sync(self.device)
+        t0 = time.perf_counter()
+        q = ids.shape[0]
+        if positions is None:
+            positions = torch.arange(self.length, self.length + q, device=ids.device)
+        self.pending = 0
+        logits, feats = self._forward(ids, positions, tree, last_only)
+        self.pending = q
+        sync(self.device)
+        self.forward_time += time.perf_counter() - t0
+        return logits, feats
+
+    def commit(self, rows: list[int] | None = None) -> None:
+        """Keep the new entries at `rows` (indices into the last forward's tokens, increasing); None = all."""
+        if rows is None:
+            rows = list(range(self.pending))
+        if rows != list(range(len(rows))):  # a tree path: gather the kept rows right after the prefix
+            self._gather(rows)
+        self.length += len(rows)
+        self.pending = 0
+
+    def prefill(self, ids: torch.Tensor):
+        """Run and commit a prompt [n]; -> (logits of its last token [1,V], features [n,3H])."""
+        logits, feats = self.forward(ids, last_only=True)
+        self.commit()
+        return logits, feats
+
+
+class LeanRunner(TargetRunner):
+    """A Llama-family decoder over the HF modules' weights with a preallocated cache [L,1,nkv,cap,hd]."""
+
+    def __init__(self, target, feature_layers, capacity: int = 2048):
+        super().__init__(target, feature_layers)
+        cfg = target.text_config
+        self.nh, self.nkv = int(cfg.num_attention_heads), int(getattr(cfg, "num_key_value_heads", cfg.num_attention_heads))
+        self.hd = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.nh)
+        self.layers = list(target.decoder_layers())
+        # fused weights: [q|k|v] and [gate|up], one matmul each instead of three and two (copies; ~60% of the weights)
+        self.wqkv, self.bqkv, self.wgu = fuse_projections(self.layers)
+        self.capacity = 0
+        self.k = self.v = None
+        self._ensure(capacity)
+
+    def _ensure(self, needed: int) -> None:
+        """Grow the cache (doubling, copying the committed part) so `needed` entries fit."""
+        if needed <= self.capacity:
+            return
+        cap = max(needed, 2 * self.capacity, 256)
+        shape = (len(self.layers), 1, self.nkv, cap, self.hd)
+        k = torch.empty(shape, dtype=self.target.dtype, device=self.device)
+        v = torch.empty_like(k)
+        if self.k is not None:
+            k[..., : self.capacity, :] = self.k
+            v[..., : self.capacity, :] = self.v
+        self.k, self.v, self.capacity = k, v, cap
+
+    def _reset_cache(self) -> None:
+        pass  # entries past `length` are overwritten, never read
+
+    def _forward(self, ids, positions, tree, last_only):
+        q, start = ids.shape[0], self.length
+        end = start + q
+        self._ensure(end)
+        body = self.model.model
+        x = body.embed_tokens(ids)[None]  # [1,q,H]
+        cos, sin = body.rotary_emb(x, positions[None])  # [1,q,hd]
+        cos, sin = cos[:, None], sin[:, None]
+        mask = _rep_mask(attention_mask(start, tree, q, x.device), self.nh // self.nkv)
+        feats = [x] if 0 in self.feature_layers else []
+
+        def exact(qs, ks, vs):
+            return _attend(qs, ks, vs, mask)
+
+        for i, layer in enumerate(self.layers):
+            x = layer_forward(layer, (self.wqkv[i], self.bqkv[i], self.wgu[i]), (self.nh, self.nkv, self.hd), x,
+                              cos, sin, self.k[i], self.v[i], start, exact)
+            if i + 1 in self.feature_layers:
+                feats.append(x)
+        if last_only:
+            x = x[:, -1:]
+        logits = self.model.lm_head(body.norm(x))[0]  # [q|1, V]
+        return logits, torch.cat(feats, dim=-1)[0]  # [q,3H]
+
+    def _gather(self, rows: list[int]) -> None:
+        src = torch.tensor(rows, device=self.device) + self.length
+        n = len(rows)
+        self.k[..., self.length:self.length + n, :] = self.k[..., src, :]  # index first: a copy, safe to overlap
+        self.v[..., self.length:self.length + n, :] = self.v[..., src, :]
+
+
+class HFRunner(TargetRunner):
+    """Any HF causal LM: its own forward, a DynamicCache, a 4D mask, features by forward hooks."""
+
+    def __init__(self, target, feature_layers):
+        super().__init__(target, feature_layers)
+        from transformers import DynamicCache  # heavy (seconds to import): loaded only where a model is
+
+        self._cache_cls = DynamicCache
+        self.cache = DynamicCache(config=self.model.config)
+        self._captured: dict[int, torch.Tensor] = {}
+        self._hooks = []
+        for idx in self.feature_layers:
+            module = target.embed_tokens() if idx == 0 else target.decoder_layers()[idx - 1]
+            self._hooks.append(module.register_forward_hook(self._hook(idx)))
+
+    def _hook(self, idx):
+        def save(module, args, output):
+            self._captured[idx] = output[0] if isinstance(output, tuple) else output
+        return save
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+    def _reset_cache(self) -> None:
+        self.cache = self._cache_cls(config=self.model.config)
+
+    def _forward(self, ids, positions, tree, last_only):
+        q = ids.shape[0]
+        have = self.cache.get_seq_length()
+        if have > self.length:  # drop the uncommitted entries of the last forward
+            self.cache.crop(self.length - have)
+        mask = attention_mask(self.length, tree, q, ids.device)
+        if mask is None:
+            mask = torch.ones(1, 1, 1, self.length + 1, dtype=torch.bool, device=ids.device)
+        out = self.model.model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask,
+                               cache=self.cache, use_cache=True)
+        h = out.last_hidden_state[:, -1:] if last_only else out.last_hidden_state
+        feats = torch.cat([self._captured.pop(i) for i in self.feature_layers], dim=-1)[0]
+        return self.model.lm_head(h)[0], feats
+
+    def _gather(self, rows: list[int]) -> None:
+        keep = torch.tensor(list(range(self.length)) + [self.length + r for r in rows], device=self.device)
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(-2, keep)
+            layer.values = layer.values.index_select(-2, keep)
+
+    def commit(self, rows: list[int] | None = None) -> None:
+        super().commit(rows)
+        extra = self.cache.get_seq_length() - self.length
+        if extra > 0:  # a chain's rejected tail
+            self.cache.crop(-extra)
+
+
+def make_runner(target, feature_layers, impl: str = "auto", capacity: int = 2048) -> TargetRunner:
+    """The lean runner for Llama-family targets, the HF one otherwise (or when impl='hf')."""
+    if impl == "lean" or (impl == "auto" and supports(target)):
+        return LeanRunner(target, feature_layers, capacity)
+    return HFRunner(target, feature_layers)
+
+
+def sync(device) -> None:
+    """Wait for the device (timings on a GPU are meaningless without it)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def measure_latency(runner: TargetRunner, qs=(1, 4, 8, 16, 32), prefix: int = 300, reps: int = 5,
+                    vocab: int | None = None, seed: int = 0) -> dict[int, float]:
+    """t(q): median wall time (s) of one forward over q new tokens after a `prefix`-token cache."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = vocab or runner.target.vocab_size
+    runner.reset()
+    runner.prefill(torch.randint(0, vocab, (prefix,), generator=g).to(runner.device))
+    times: dict[int, list[float]] = {q: [] for q in qs}
+    for _ in range(reps):
+        for q in qs:  # interleaved, so a slow spell of the machine hits every q alike
+            ids = torch.randint(0, vocab, (q,), generator=g).to(runner.device)
+            sync(runner.device)
+            t0 = time.perf_counter()
+            runner.forward(ids)
+            sync(runner.device)
+            times[q].append(time.perf_counter() - t0)
+    runner.reset()
+    return {q: sorted(t)[len(t) // 2] for q, t in times.items()}

@@ -1,0 +1,505 @@
+"""`eyas extract`: the target's hidden states for every prepared sample, into a checksummed, rank-sharded store.
+
+    eyas extract --data runs/demo/prepared --store runs/demo/store
+    torchrun --nproc_per_node 8 -m eyas extract --data ... --store ...      (any number of ranks and nodes)
+
+What is captured: forward hooks on the three feature layers (HF `hidden_states` indices; index i is the output of
+decoder layer i-1) and on the final norm, while the *base* model runs (`target.model.model`): no other layer's
+states are kept and no full-vocabulary logits are ever computed.
+
+How work is split: samples are sorted by length and cut into shards of about `--shard-mb`; that plan depends
+only on the data and the settings, never on the number of ranks. Shard k goes to global rank k mod world
+(`shard_indices`), each rank writes its own shards, and a shard appears only once complete (temp name, fsync,
+rename), so a restart (with any number of ranks) skips what exists and the store's content is the same however
+it was run. Within a shard, samples go through the target in length-sorted batches of <= `--batch-tokens`
+padded tokens, right-padded without an attention mask (causal attention never lets a real token see a pad);
+a background thread copies, checksums and writes while the next batch runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import queue
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from eyas.core import dist
+from eyas.core.config import StageConfig, check, opt
+from eyas.core.errors import EyasError, disk_full
+from eyas.core.log import console, fmt_bytes, fmt_duration, fmt_int, write_json
+from eyas.core.target import DEFAULT_TARGET, load_target
+from eyas.store.layout import SHARD_DIR, bytes_per_token, shard_name
+from eyas.store.shards import shard_index
+from eyas.store.writer import ShardBuilder, check_coverage, write_manifest
+
+SUMMARY_FILE = "summary.json"  # what the last run of extract did (rank 0 writes it when all is merged)
+SETTINGS_FILE = "extract.json"  # what a store was started with; a restart must match it
+HEADER_BYTES = 64 * 1024  # allowance per shard for its safetensors header (its own index)
+NO_SPACE_FIX = ("free space on that disk (or raise the limit) and rerun the same command: it keeps the finished "
+                "shards and writes only the missing ones")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExtractConfig(StageConfig):
+    data: str = opt("runs/demo/prepared", "prepared dataset folder (written by eyas prepare)")
+    split: str = opt("train", "which split of --data to extract")
+    store: str = opt("runs/demo/store", "output store folder (resumes when it holds a partial run)")
+    target: str = opt(DEFAULT_TARGET, "target model: built-in name, HF folder or .gguf")
+    layers: tuple[int, ...] = opt((), "HF hidden_states indices of the three features; empty = [2, L//2, L-3]")
+    dtype: Literal["bf16", "fp32", "fp16"] = opt("bf16", "dtype of the target's forward pass")
+    compact: bool = opt(False, "store fp8 e4m3 with per-row power-of-two scales (half the bytes; see docs/store.md)")
+    attn: Literal["auto", "sdpa", "eager"] = opt("auto", "attention kernel; auto keeps the target's (sdpa). "
+                                                 "eager makes results independent of batching and padding")
+    batch_tokens: int = opt(8192, "padded tokens per forward batch (batch size x longest sample)")
+    shard_mb: float = opt(256.0, "target size of a shard file in MiB (a crash loses at most the shard in progress)")
+    limit: int = opt(0, "extract only the first N samples of the split (0: all)")
+    device: str = opt("auto", "cpu, cuda, cuda:N or auto (cuda:LOCAL_RANK when CUDA is present)")
+    dry_run: bool = opt(False, "print the plan and exit without writing anything")
+
+    def __post_init__(self):
+        check(bool(self.data), "--data is empty", "give the prepared dataset folder (eyas prepare --out)")
+        check(bool(self.store), "--store is empty", "name the output store folder")
+        check(len(self.layers) in (0, 3), f"--layers {list(self.layers)}: EAGLE-3 takes exactly three feature layers",
+              "give three HF hidden_states indices, e.g. --layers 2 15 27, or none for the default")
+        check(list(self.layers) == sorted(set(self.layers)) and all(i >= 1 for i in self.layers),
+              f"--layers {list(self.layers)} must be distinct, increasing and >= 1",
+              "index 0 is the embedding output; give e.g. --layers 2 15 27")
+        check(self.batch_tokens >= 1, f"--batch-tokens {self.batch_tokens} must be >= 1", "use e.g. 8192")
+        check(self.shard_mb > 0, f"--shard-mb {self.shard_mb} must be positive", "use e.g. 512")
+        check(self.limit >= 0, f"--limit {self.limit} is negative", "use 0 for all samples")
+
+
+# ---------------------------------------------------------------- the plan (pure functions)
+
+def shard_indices(n: int, rank: int, world: int) -> list[int]:
+    """The shards (of n) that global rank `rank` of `world` writes: k = rank, rank + world, ...
+
+    Round-robin, because shards are in length order: neighbours cost about the same, so ranks stay balanced.
+    """
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is outside a world of {world}")
+    return list(range(rank, n, world))
+
+
+def plan_shards(lengths: list[int], token_bytes: int, shard_bytes: int) -> list[list[int]]:
+    """Rows sorted by (length, row), cut into consecutive shards of at most shard_bytes (>= 1 sample each)."""
+    order = sorted(range(len(lengths)), key=lambda r: (lengths[r], r))
+    shards, cur, size = [], [], 0
+    for r in order:
+        b = lengths[r] * token_bytes
+        if cur and size + b > shard_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(r)
+        size += b
+    return shards + ([cur] if cur else [])
+
+
+def plan_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Positions 0..n-1 (in length order) grouped so that batch size x longest <= batch_tokens (>= 1 each)."""
+    batches, cur, longest = [], [], 0
+    for p, n in enumerate(lengths):
+        if cur and (len(cur) + 1) * max(longest, n) > batch_tokens:
+            batches.append(cur)
+            cur, longest = [], 0
+        cur.append(p)
+        longest = max(longest, n)
+    return batches + ([cur] if cur else [])
+
+
+# ---------------------------------------------------------------- data and target
+
+def open_prepared(folder: str, split: str):
+    """(dataset, fingerprint) of a prepared dataset split (docs/architecture.md, "Prepared dataset")."""
+
+    import datasets  # heavy (pyarrow): loaded only where a dataset is read or written
+
+    root = Path(folder)
+    if not (root / split / "state.json").is_file():
+        raise EyasError(f"{root / split} is not a prepared dataset split",
+                        fix=f"run `eyas prepare --out {folder}` first, or give the folder it wrote (and --split)")
+    summary = root / "summary.json"
+    fingerprint = json.loads(summary.read_text(encoding="utf-8")).get("fingerprint") if summary.is_file() else None
+    ds = datasets.load_from_disk(str(root / split))
+    missing = {"id", "input_ids", "loss_mask", "num_tokens"} - set(ds.column_names)
+    if missing:
+        raise EyasError(f"{root / split} lacks the column(s) {sorted(missing)}", fix="re-run eyas prepare")
+    return ds, fingerprint
+
+
+def fetch_rows(ds, rows: list[int], where: str) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
+    """(ids, input_ids [L] int64, loss_mask [L] int8) of some dataset rows, checked against num_tokens."""
+    batch = ds[rows]
+    ids, toks, masks = [], [], []
+    for r, sid, t, m, n in zip(rows, batch["id"], batch["input_ids"], batch["loss_mask"], batch["num_tokens"]):
+        if not (len(t) == len(m) == n) or n == 0:
+            raise EyasError(f"{where} row {r} (id {sid}): {len(t)} input ids, {len(m)} mask values, num_tokens {n}",
+                            fix="re-run eyas prepare; the dataset is damaged")
+        ids.append(sid)
+        toks.append(torch.tensor(t, dtype=torch.int64))
+        masks.append(torch.tensor(m, dtype=torch.int8))
+    return ids, toks, masks
+
+
+class Capture:
+    """Forward hooks on the three feature layers and the final norm; `out` is [aux0, aux1, aux2, final], [B,T,H]."""
+
+    def __init__(self, target, layer_ids: list[int]):
+        layers = target.decoder_layers()
+        self.modules = [layers[i - 1] for i in layer_ids] + [target.final_norm()]
+        self.out: list[torch.Tensor | None] = [None] * 4
+        self.handles = []
+
+    def __enter__(self):
+        for j, m in enumerate(self.modules):
+            self.handles.append(m.register_forward_hook(self._hook(j)))
+        return self
+
+    def _hook(self, j: int):
+        def hook(module, args, output):
+            self.out[j] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+
+def forward_batch(target, cap: Capture, toks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Run the base model on right-padded ids; the four captured [B, T, H] tensors, on the CPU."""
+    T = max(len(t) for t in toks)
+    ids = torch.zeros(len(toks), T, dtype=torch.int64)  # pads are never attended to by real tokens
+    for b, t in enumerate(toks):
+        ids[b, : len(t)] = t
+    with torch.inference_mode():
+        target.model.model(input_ids=ids.to(target.device), use_cache=False)
+    return [o.cpu() for o in cap.out]
+
+
+def check_layers(layer_ids: list[int], num_layers: int) -> None:
+    bad = [i for i in layer_ids if not 1 <= i < num_layers]
+    if bad:
+        raise EyasError(f"feature layer(s) {bad} outside 1..{num_layers - 1} for a target with {num_layers} layers",
+                        fix="use HF hidden_states indices; the final (post-norm) state is stored anyway")
+
+
+# ---------------------------------------------------------------- the background writer
+
+class Writer:
+    """A thread that runs the copy/checksum/write jobs in order, so they overlap the next forward pass."""
+
+    def __init__(self, depth: int = 4):
+        self.q: queue.Queue = queue.Queue(maxsize=depth)
+        self.error: BaseException | None = None
+        self.bytes = 0
+        self.thread = threading.Thread(target=self._loop, name="eyas-writer", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while (job := self.q.get()) is not None:
+            if self.error is None:
+                try:
+                    job()
+                except BaseException as e:  # noqa: BLE001 - handed to the main thread, re-raised by put/close
+                    self.error = e
+
+    def put(self, job: Callable[[], None]) -> None:
+        if self.error is not None:
+            raise self.error
+        self.q.put(job)
+
+    def close(self) -> None:
+        self.q.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+# ---------------------------------------------------------------- the run
+
+def tune_allocator() -> None:
+    """Keep freed buffers inside the process (glibc): by default every buffer over 32 MiB goes back to the OS
+    when freed and is page-faulted in again by the next batch, which cost 10-25 % of the CPU time of a forward
+    pass on a 2-core machine (kernel time). Nothing happens on other C libraries."""
+    import ctypes  # only where glibc is
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+    libc.mallopt(m_mmap_threshold, 1 << 30)
+    libc.mallopt(m_trim_threshold, (1 << 31) - 1)
+
+
+def run(cfg: ExtractConfig, *, target=None) -> dict:
+    """Extract (or resume) the store; returns the summary.
+
+    `target` may be passed preloaded (tests, demo); it is then used as it is (its dtype wins over --dtype).
+    """
+    env = dist.init(cfg.device)
+    con = console(env.rank, cfg.quiet, cfg.json)
+    tune_allocator()
+    try:
+        return _run(cfg, env, con, target)
+    except OSError as e:  # the store's index, manifest or summary (a shard says which it was)
+        if (why := disk_full(e)) is None:
+            raise
+        raise EyasError(f"cannot write to {cfg.store}: {why}", "the store's disk is full", NO_SPACE_FIX) from None
+    finally:
+        if env.distributed:
+            dist.shutdown()
+
+
+def _run(cfg: ExtractConfig, env, con, target) -> dict:
+    t0 = time.perf_counter()
+    ds, fingerprint = open_prepared(cfg.data, cfg.split)
+    n = min(cfg.limit, len(ds)) if cfg.limit else len(ds)
+    if n == 0:
+        raise EyasError(f"{cfg.data} [{cfg.split}] has no samples", fix="prepare some data first")
+    lengths = [int(x) for x in ds.select_columns(["num_tokens"])[:n]["num_tokens"]]
+    if target is None:
+
+        target = load_target(cfg.target, dtype=cfg.dtype, device=env.device)
+    if cfg.attn != "auto":
+        target.model.set_attn_implementation(cfg.attn)
+    layer_ids = list(cfg.layers) or target.default_feature_layers()
+    check_layers(layer_ids, target.num_layers)
+    store = Path(cfg.store)
+    bpt = bytes_per_token(target.hidden_size, cfg.compact)
+    shards = plan_shards(lengths, bpt, int(cfg.shard_mb * 2**20))
+    header = _store_header(cfg, target, layer_ids, fingerprint, n)
+    settings = {"header": header, "shard_mb": cfg.shard_mb, "batch_tokens": cfg.batch_tokens,
+                "attention": target.model.config._attn_implementation}
+    plan = _agree(env, lambda: _prepare_store(cfg, con, env, target, shards, lengths, settings, bpt))
+    if cfg.dry_run:
+        return plan
+    stats = _on_every_rank(env, lambda: _extract_mine(cfg, env, con, target, ds, shards, layer_ids, lengths))
+    tokens_run, samples_run = dist.all_reduce_sum([stats["tokens"], stats["samples"]], env)
+    totals = _agree(env, lambda: _merge(store, header, len(shards), n, env.world_size))
+    elapsed = time.perf_counter() - t0
+    summary = {"store": str(store), **totals, "layer_ids": layer_ids, "compact": cfg.compact,
+               "extracted_samples": int(samples_run), "extracted_tokens": int(tokens_run),
+               "resumed_shards": plan["done_shards"], "world_size": env.world_size, "elapsed_s": round(elapsed, 2),
+               "tokens_per_s": round(tokens_run / max(elapsed, 1e-9), 1)}
+    if env.is_main:
+        write_json(store / SUMMARY_FILE, summary)
+    con.summary(f"extract: {fmt_int(totals['samples'])} samples, {fmt_int(totals['tokens'])} tokens -> {store} "
+                f"({fmt_bytes(totals['bytes'])}, {fmt_int(totals['bytes_per_token'])} B/token, {totals['shards']} "
+                f"shards; {plan['done_shards']} resumed) in {fmt_duration(elapsed)}")
+    return summary
+
+
+def _store_header(cfg: ExtractConfig, target, layer_ids: list[int], fingerprint, n: int) -> dict:
+    """What the manifest says about the store (docs/store.md): no time, no rank count, so reruns agree."""
+    return {"source": "eyas extract", "target": target.identity(), "layer_ids": layer_ids,
+            "hidden_size": target.hidden_size, "dtype": "float8_e4m3fn" if cfg.compact else "bfloat16",
+            "compact": cfg.compact, "forward_dtype": str(target.dtype).removeprefix("torch."),
+            "dataset": {"path": str(Path(cfg.data).resolve()), "split": cfg.split, "fingerprint": fingerprint,
+                        "samples": n}}
+
+
+def _on_every_rank(env, fn: Callable[[], dict]) -> dict:
+    """Run fn on every rank, then tell every rank whether all succeeded (the barrier before the merge), so a
+    failing rank makes the others stop with its message instead of waiting for it until the timeout."""
+    err, result, exc = None, None, None
+    try:
+        result = fn()
+    except EyasError as e:
+        err = (f"rank {env.rank}: {e.what}", e.why, e.fix)
+    except Exception as e:  # noqa: BLE001 - re-raised below on this rank, with its traceback
+        exc, err = e, (f"rank {env.rank} failed: {type(e).__name__}: {e}", "", "see that rank's traceback")
+    errors = [e for e in dist.all_gather_objects(err, env) if e]
+    if exc is not None:
+        raise exc
+    if errors:
+        raise EyasError(*errors[0])
+    return result
+
+
+def _agree(env, fn: Callable[[], dict]) -> dict:
+    """Run fn on rank 0 and hand its result (or its EyasError) to every rank, so no rank waits on a dead one."""
+    result = None
+    if env.is_main:
+        try:
+            result = {"ok": fn()}
+        except EyasError as e:
+            result = {"error": (e.what, e.why, e.fix)}
+    result = dist.all_gather_objects(result, env)[0]
+    if "error" in result:
+        raise EyasError(*result["error"])
+    return result["ok"]
+
+
+def _completed(store: Path, shards: list[list[int]], ks) -> dict[int, dict]:
+    """The finished shards among ks (their own indexes), refusing any that belongs to another plan."""
+    done = {}
+    for k in ks:
+        p = store / SHARD_DIR / shard_name(k)
+        if p.is_file():
+            idx = shard_index(p)
+            if idx["rows"] != shards[k]:
+                raise EyasError(f"{p} holds other samples than this run would put there",
+                                "the store was started with other data or settings",
+                                "use a new --store folder, or the data and settings of the first run")
+            done[k] = idx
+    return done
+
+
+def _prepare_store(cfg, con, env, target, shards, lengths, settings, bpt) -> dict:
+    """Rank 0: compare with an existing run's settings, print the plan, check the disk, create the folders."""
+    store = Path(cfg.store)
+    old = store / SETTINGS_FILE
+    if old.is_file():
+
+        prev = json.loads(old.read_text(encoding="utf-8"))
+        diff = sorted(k for k in set(prev) | set(settings) if prev.get(k) != settings.get(k))
+        if diff:
+            raise EyasError(f"{store} was started with other settings ({', '.join(diff)} "
+                            f"differ{'s' if len(diff) == 1 else ''})",
+                            "resuming would mix hidden states of two different runs in one store",
+                            f"rerun with the first run's settings (see {old}) or use a new --store folder")
+    elif store.exists() and any(p.name != f"{SETTINGS_FILE}.tmp" for p in store.iterdir()):  # a kill's leftover
+        raise EyasError(f"{store} exists and is not an extract in progress", fix="use a new or empty --store folder")
+    done = _completed(store, shards, range(len(shards)))
+    shard_bytes = [sum(lengths[r] for r in s) * bpt + HEADER_BYTES for s in shards]
+    todo_bytes = sum(b for k, b in enumerate(shard_bytes) if k not in done)
+    plan = {"target": target.name, "num_layers": target.num_layers, "hidden": target.hidden_size,
+            "layers": settings["header"]["layer_ids"], "dtype": settings["header"]["forward_dtype"],
+            "device": env.device, "data": cfg.data, "split": cfg.split,
+            "fingerprint": settings["header"]["dataset"]["fingerprint"], "samples": len(lengths),
+            "tokens": sum(lengths), "shards": len(shards), "done_shards": len(done),
+            "done_samples": sum(len(d["rows"]) for d in done.values()), "bpt": bpt,
+            "storage": "compact fp8 e4m3 + per-row scales" if cfg.compact else "bf16",
+            "bytes": sum(shard_bytes), "todo_bytes": todo_bytes, "world": env.world_size,
+            "free": free_bytes(store), "store": str(store)}
+    con.print(plan_text(plan))
+    if plan["free"] < todo_bytes:
+        raise EyasError(f"not enough disk for {store}: it needs {fmt_bytes(todo_bytes)}, {fmt_bytes(plan['free'])} "
+                        f"are free, {fmt_bytes(todo_bytes - plan['free'])} missing",
+                        fix="free that much space, choose a --store on a larger disk, or use --compact")
+    if not cfg.dry_run:  # the settings first: a kill in between must leave a store that a rerun recognises
+        write_json(old, settings)
+        (store / SHARD_DIR).mkdir(parents=True, exist_ok=True)
+    return plan
+
+
+def _extract_mine(cfg, env, con, target, ds, shards, layer_ids, lengths) -> dict:
+    """Write this rank's unfinished shards, then the index of all its shards (STORE/index/rank-R-of-W.json)."""
+    store = Path(cfg.store)
+    mine = shard_indices(len(shards), env.rank, env.world_size)
+    done = _completed(store, shards, mine)
+    for k in mine:  # temp files of a killed run: never visible, safe to drop (only this rank owns shard k)
+        for tmp in (store / SHARD_DIR).glob(f".{shard_name(k)}.tmp-*"):
+            tmp.unlink(missing_ok=True)
+    todo = [k for k in mine if k not in done]
+    where = f"{cfg.data} [{cfg.split}]"
+    total = sum(len(shards[k]) for k in todo)
+    desc = "extract" + (f" (rank 0 of {env.world_size})" if env.distributed else "")
+    # progress in tokens: samples are in length order, so a sample-based ETA would be far too optimistic
+    bar = con.progress(total=sum(lengths[r] for k in todo for r in shards[k]), desc=desc, unit="tok", unit_scale=True)
+    writer, indexes = Writer(), dict(done)
+    try:
+        tokens = _run_shards(cfg, target, ds, shards, todo, layer_ids, lengths, writer, indexes, bar, where)
+    except BaseException:
+        with contextlib.suppress(BaseException):  # the first error is the one to report
+            writer.close()  # finishes what is queued (a shard is only committed once all of it was queued)
+        raise
+    finally:
+        bar.close()
+    writer.close()
+    write_json(store / "index" / f"rank-{env.rank:05d}-of-{env.world_size:05d}.json", [indexes[k] for k in mine])
+    return {"tokens": tokens, "samples": total}
+
+
+def _run_shards(cfg, target, ds, shards, todo, layer_ids, lengths, writer, indexes, bar, where) -> int:
+    """The forward loop: batches of each unfinished shard through the target, their states to the writer."""
+    store, total, samples, tokens = Path(cfg.store), sum(len(shards[k]) for k in todo), 0, 0
+    bpt = bytes_per_token(target.hidden_size, cfg.compact)
+    with Capture(target, layer_ids) as cap:
+        for k in todo:
+            rows = shards[k]
+            builder = ShardBuilder(shard_name(k), sum(lengths[r] for r in rows), target.hidden_size, cfg.compact)
+            for batch in plan_batches([lengths[r] for r in rows], cfg.batch_tokens):
+                brows = [rows[p] for p in batch]
+                ids, toks, masks = fetch_rows(ds, brows, where)
+                feats = forward_batch(target, cap, toks)
+                writer.put(_add_job(builder, brows, ids, toks, masks, feats))
+                n_tok = sum(len(t) for t in toks)
+                samples, tokens = samples + len(toks), tokens + n_tok
+                bar.set_postfix_str(f"{fmt_int(samples)}/{fmt_int(total)} samples, {fmt_bytes(tokens * bpt)} "
+                                    f"written ({fmt_bytes(writer.bytes)} in finished shards)", refresh=False)
+                bar.update(n_tok)
+            writer.put(_commit_job(builder, store / SHARD_DIR, indexes, k, writer))
+    return tokens
+
+
+def _add_job(builder, rows, ids, toks, masks, feats):
+    def job():
+        for b, (r, sid, t, m) in enumerate(zip(rows, ids, toks, masks)):
+            builder.add(r, sid, t, m, [f[b] for f in feats[:3]], feats[3][b])
+    return job
+
+
+def _commit_job(builder, folder: Path, indexes: dict, k: int, writer: Writer):
+    def job():
+        try:
+            indexes[k] = builder.commit(folder)
+        except OSError as e:
+            if (why := disk_full(e)) is None:
+                raise
+            raise EyasError(f"cannot write shard {folder / shard_name(k)}: {why}",
+                            f"the store's disk is full (or a size limit or quota was hit); the partial shard was "
+                            f"removed, the {len(indexes)} shards finished so far are complete and kept",
+                            NO_SPACE_FIX) from None
+        writer.bytes += indexes[k]["bytes"]
+    return job
+
+
+def _merge(store: Path, header: dict, n_shards: int, n_samples: int, world: int) -> dict:
+    """Rank 0, after every rank finished: per-rank indexes -> manifest.json, with the coverage check."""
+
+    shards = []
+    for r in range(world):
+        p = store / "index" / f"rank-{r:05d}-of-{world:05d}.json"
+        shards += json.loads(p.read_text(encoding="utf-8"))
+    problems = check_coverage(shards, n_samples)
+    if len(shards) != n_shards:
+        problems.append(f"{len(shards)} shards indexed, the plan has {n_shards}")
+    if problems:
+        raise EyasError(f"coverage check failed for {store}: " + "; ".join(problems[:5]),
+                        "every prepared sample must be in the store exactly once",
+                        "rerun the same command; it rewrites what is missing")
+    return write_manifest(store, header, shards)
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the disk that holds `path` (its nearest existing parent)."""
+    p = path.resolve()
+    while not p.exists():
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def plan_text(p: dict) -> str:
+    """The plan block printed before any work starts."""
+    return "\n".join([
+        "extract plan",
+        (f"  target   {p['target']} ({p['num_layers']} layers, hidden {p['hidden']}), features {p['layers']} "
+         f"+ final norm, forward {p['dtype']} on {p['device']}"),
+        f"  data     {p['data']} [{p['split']}], fingerprint {str(p['fingerprint'])[:16]}",
+        (f"  samples  {fmt_int(p['samples'])} ({fmt_int(p['tokens'])} tokens) in {p['shards']} shards; already "
+         f"stored: {fmt_int(p['done_samples'])} samples in {p['done_shards']} shards"),
+        (f"  storage  {p['storage']}, {fmt_int(p['bpt'])} B/token (8H reference {fmt_int(8 * p['hidden'])}) -> "
+         f"{fmt_bytes(p['bytes'])}, {fmt_bytes(p['todo_bytes'])} still to write"),
+        f"  ranks    {p['world']} (shard k -> rank k mod {p['world']})",
+        f"  disk     {fmt_bytes(p['free'])} free at {p['store']}",
+    ])

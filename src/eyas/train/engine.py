@@ -1,0 +1,179 @@
+"""The draft as the trainer drives it: the TTT objective, its parallel wrapper, optimizer and LR schedule.
+
+The model file (eyas.draft.model) knows nothing of ranks. Here the draft is wrapped from outside in `TTTObjective`
+(one `forward` = one TTT unroll, so DDP and FSDP2 see a normal module call), then in
+`DistributedDataParallel` (default) or FSDP2's `fully_shard` (`parallel="fsdp"`; one parameter group for the
+whole draft, since TTT calls the layers' pieces rather than their `forward`).
+
+Loss normalisation: each TTT step's summed cross-entropy is divided by the GLOBAL count of counted positions
+of that step in the optimizer step (all ranks, all micro-batches; counts are all-reduced before backward), and
+multiplied by the world size because DDP and FSDP average gradients over ranks. So W ranks with micro-batch b
+compute exactly the gradient of one process with the same global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import math
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from eyas.core import dist
+from eyas.draft.model import Eagle3Draft
+from eyas.draft.ttt import ttt_forward
+from eyas.train.data import load_micro_batch, needed_rows, sparse_target_logp
+from eyas.train.sharding import ShardSpec, shard_epoch
+
+
+class TTTObjective(nn.Module):
+    """forward(batch tensors) = ttt_forward(draft, ...) as a tuple (loss_sum [k], correct [k], count [k]);
+    target_logp [M,Vd] with target_index [B,T] are the compact targets of eyas.train.data.sparse_target_logp."""
+
+    def __init__(self, draft: Eagle3Draft, steps: int):
+        super().__init__()
+        self.draft, self.steps = draft, steps
+
+    def forward(self, input_ids, aux, target_logp, target_index, loss_mask, position_ids, doc_ids):
+        r = ttt_forward(self.draft, input_ids, aux, target_logp, loss_mask, self.steps, position_ids, doc_ids,
+                        target_index)
+        return r.loss_sum, r.correct, r.count
+
+
+def wrap(objective: TTTObjective, parallel: str, env) -> nn.Module:
+    """Apply data parallelism from outside: DDP, or FSDP2 fully_shard; the plain module on one process."""
+    if not env.distributed:
+        return objective
+    if parallel == "fsdp":
+
+        fully_shard(objective)
+        return objective
+
+    ids = [torch.device(env.device).index] if env.device.startswith("cuda") else None
+    # buffers (d2t, t2d) never change: no broadcast at every forward (the flag was renamed in torch 2.13)
+    newer = "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+    sync = {"forward_sync_buffers": False} if newer else {"broadcast_buffers": False}
+    return DDP(objective, device_ids=ids, gradient_as_bucket_view=True, **sync)
+
+
+def no_sync(model: nn.Module, last: bool):
+    """Skip the gradient all-reduce on all but the last micro-batch of an optimizer step."""
+    if last:
+        return contextlib.nullcontext()
+    if hasattr(model, "no_sync"):  # DDP
+        return model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+
+        @contextlib.contextmanager
+        def off():
+            model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)
+
+        return off()
+    return contextlib.nullcontext()
+
+
+def make_optimizer(model: nn.Module, lr: float, weight_decay: float, device: str) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters (the frozen embeddings and buffers are not optimised)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    sharded = any(type(p).__name__ == "DTensor" for p in params)
+    # fused AdamW is one pass over the state; it does not take FSDP's DTensors everywhere, foreach does
+    kw = {"foreach": True} if sharded else {"fused": True}
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, **kw)
+
+
+def lr_at(step: int, total: int, warmup: int, peak: float, min_ratio: float) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warmup over `warmup` steps to `peak`, then cosine
+    down to `min_ratio * peak` at `total` (the real optimizer-step count of the run)."""
+    if warmup > 0 and step < warmup:
+        return peak * (step + 1) / warmup
+    span = max(1, total - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@torch.no_grad()
+def validation_sums(t) -> list[float]:
+    """The validation pass of Trainer `t`, sharded like training: [loss_sum_i..., correct_i..., count_i...]
+    summed over ranks. Padding repeats are run (every rank makes the same calls, as FSDP needs) but not counted:
+    their loss mask is zeroed."""
+
+    spec = ShardSpec(world_size=t.env.world_size, micro_batch=t.cfg.micro_batch, shuffle=False,
+                     max_tokens=t.cfg.max_tokens)
+    shard = shard_epoch(t.val_src.lengths, 0, t.env.rank, spec)
+    sums = torch.zeros(3, t.cfg.ttt_steps, dtype=torch.float64)
+    for s, step in enumerate(shard.steps):
+        for m, micro in enumerate(step):
+            b = t.prepare(load_micro_batch(t.val_src, micro))
+            rows = [u for u in range(len(micro)) if (s, m, u) in shard.padded]
+            if rows:
+                mask = b.loss_mask.clone()
+                mask[rows] = 0
+                b = dataclasses.replace(b, loss_mask=mask)
+            with autocast(t.env.device, t.dtype):
+                logp, index = sparse_target_logp(b.final, t.head_rows, needed_rows(t.valid(b)))
+                ls, c, n = t.model(b.input_ids, b.aux, logp, index, b.loss_mask, b.position_ids, b.doc_ids)
+            sums += torch.stack([ls.double().cpu(), c.double().cpu(), n.double().cpu()])
+    return dist.all_reduce_sum(sums.flatten().tolist(), t.env)
+
+
+def autocast(device: str, dtype: str):
+    """bf16 autocast (CUDA or CPU) or nothing (fp32)."""
+    if dtype != "bf16":
+        return contextlib.nullcontext()
+    return torch.autocast("cuda" if device.startswith("cuda") else "cpu", dtype=torch.bfloat16)
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """'auto' -> bf16 where it is fast (CUDA with bf16, or a CPU with native bf16 matmuls), else fp32."""
+    if dtype != "auto":
+        return dtype
+    if device.startswith("cuda"):
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    try:
+        return "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"
+    except (AttributeError, RuntimeError):
+        return "fp32"
+
+
+# -- full (unsharded) state for checkpoints -------------------------------------------------------------------------
+def _options(**kw):
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The draft's full state dict on CPU, keyed like Eagle3Draft.state_dict() (a collective under FSDP)."""
+
+    sd = get_model_state_dict(model, options=_options(cpu_offload=True))  # full on rank 0 only
+    for name, buf in _objective(model).named_buffers():  # d2t, t2d: never sharded
+        sd.setdefault(name, buf)
+    return {k.removeprefix("draft."): v.detach().cpu() for k, v in sd.items()}
+
+
+def full_optimizer_state(model: nn.Module, optimizer) -> dict:
+    return get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=True))
+
+
+def load_optimizer_state(model: nn.Module, optimizer, state: dict) -> None:
+    set_optimizer_state_dict(model, optimizer, state, options=_options())
+
+
+def _objective(model: nn.Module) -> TTTObjective:
+    return model.module if hasattr(model, "module") else model
+
+
+def draft_of(model: nn.Module) -> Eagle3Draft:
+    return _objective(model).draft

@@ -1,0 +1,437 @@
+"""eyas train: the EAGLE-3 draft on a hidden-state store (or online), one process or many under torchrun.
+
+    python -m eyas.train --store runs/demo/store --out runs/demo/draft            (or: eyas train ...)
+    torchrun --nproc_per_node 2 -m eyas.train --store runs/demo/store --out runs/demo/draft
+
+Before the first step rank 0 prints the sharding audit (`data: ... disjoint: yes`, from every rank's actual
+sample ids) and the plan block (`eyas.train.plan`), then one progress bar; `RUN/metrics.jsonl` gets one JSON object
+per optimizer step. The loop below reads like the algorithm; the pieces live in eyas.train.sharding (who trains on
+what), eyas.train.data (batches), eyas.train.engine (model wrapping, optimizer, schedule) and
+eyas.draft.checkpoint (exact resumption).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import time
+
+import torch
+
+from eyas.core import dist
+from eyas.core.config import StageConfig, check, opt
+from eyas.core.errors import EyasError, disk_full
+from eyas.core.log import console, fmt_duration, fmt_int, write_json
+from eyas.core.target import DEFAULT_TARGET
+from eyas.draft.checkpoint import rng_state, save_checkpoint, save_draft
+from eyas.draft.model import Eagle3Draft
+from eyas.train.data import (
+    Prefetcher,
+    capture_features,
+    load_micro_batch,
+    needed_rows,
+    sparse_target_logp,
+    valid_masks,
+)
+from eyas.train.engine import (
+    autocast,
+    draft_of,
+    full_model_state,
+    full_optimizer_state,
+    lr_at,
+    no_sync,
+    validation_sums,
+)
+from eyas.train.plan import compute_plan
+from eyas.train.setup import setup
+from eyas.train.sharding import audit, shard_epoch
+
+SUMMARY_FILE = "summary.json"  # in --out: what the run did (rank 0 writes it last, after the final draft)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig(StageConfig):
+    """Settings of `eyas train` (every flag of the command line is one field here)."""
+
+    store: str = opt("runs/demo/store", "hidden-state store to train on (written by eyas extract)")
+    target: str = opt(DEFAULT_TARGET, "the target the store was extracted from: embeddings, output head, identity")
+    out: str = opt("runs/demo/draft", "run folder: metrics.jsonl, plan.json, audit.json, checkpoints/, final/")
+    online: bool = opt(False, "run the target in the loop to compute the features (no store; needs --data)")
+    data: str = opt("", "prepared dataset folder: the samples for --online; with --store, the dataset the store "
+                        "must have been extracted from (checked)")
+    skip_bad_shards: bool = opt(False, "leave out (and count) the samples of store shards that are missing or "
+                                       "truncated, instead of stopping")
+    val_store: str = opt("", "hidden-state store for the validation pass; empty: hold out --val-fraction")
+    val_fraction: float = opt(0.0, "share of the training samples held out for validation (without --val-store)")
+    epochs: int = opt(1, "passes over the training data")
+    max_steps: int = opt(0, "stop after this many optimizer steps (0 = all epochs); the LR schedule spans them")
+    micro_batch: int = opt(4, "samples (or packed sequences) per micro-batch, per rank")
+    grad_accum: int = opt(1, "micro-batches per optimizer step, per rank")
+    max_tokens: int = opt(0, "pack samples into sequences of at most this many tokens (0 = one sample per row)")
+    drop_remainder: bool = opt(False, "drop what does not fill a whole global batch (default: pad with repeats)")
+    group_window: int = opt(32, "sort the samples of this many optimizer steps by length, so a micro-batch holds "
+                                "similar lengths; the steps' order stays shuffled (0 = off)")
+    lr: float = opt(1e-4, "peak learning rate (AdamW)")
+    warmup_ratio: float = opt(0.02, "share of the optimizer steps spent warming the learning rate up")
+    min_lr_ratio: float = opt(0.1, "the cosine ends at this share of the peak learning rate")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    grad_clip: float = opt(0.5, "clip the gradient's global norm to this (0 = off)")
+    ttt_steps: int = opt(7, "training-time test: draft steps unrolled on its own outputs")
+    step_decay: float = opt(0.8, "weight of TTT step i's loss: decay**i")
+    draft_vocab: int = opt(32000, "draft vocabulary size (capped at the target's vocabulary)")
+    num_layers: int = opt(1, "draft decoder layers")
+    freeze_head: bool = opt(False, "keep the draft's lm_head at the target's rows (fewer trainable parameters)")
+    dtype: str = opt("auto", "compute dtype: bf16 autocast, fp32, or auto (bf16 where the hardware has it)",
+                     choices=("auto", "bf16", "fp32"))
+    parallel: str = opt("ddp", "data parallelism over ranks: ddp, or fsdp (FSDP2 fully_shard)", choices=("ddp", "fsdp"))
+    device: str = opt("auto", "auto (cuda:<local rank> if present, else cpu), cpu, cuda:N")
+    threads: int = opt(0, "CPU threads per rank (0 = the cores divided among the ranks of this node)")
+    seed: int = opt(0, "seed of the weights' initialisation and of the data order")
+    shuffle: bool = opt(True, "reshuffle the data every epoch")
+    shard_data: bool = opt(True, "give every rank its own share of each epoch (off: every rank reads everything, "
+                                 "which the audit refuses)")
+    allow_duplicate_data: bool = opt(False, "train even if the sharding audit fails (experiments; every log line "
+                                            "then says so)")
+    checkpoint_every: int = opt(0, "write a checkpoint every N optimizer steps (0 = only at the end of each epoch)")
+    keep_checkpoints: int = opt(3, "keep the newest K checkpoints")
+    resume: bool = opt(False, "continue from the newest checkpoint in OUT/checkpoints (same settings and ranks)")
+    tensorboard: bool = opt(False, "also log to OUT/tensorboard (needs the tensorboard package)")
+    prefetch: int = opt(4, "micro-batches prepared ahead on a background thread")
+
+    def __post_init__(self):
+        for name in ("epochs", "micro_batch", "grad_accum", "ttt_steps", "draft_vocab", "num_layers", "prefetch"):
+            v = getattr(self, name)
+            check(v >= 1, f"train: --{name.replace('_', '-')} {v} must be >= 1", "give a whole number >= 1")
+        for name in ("max_steps", "max_tokens", "group_window", "checkpoint_every", "keep_checkpoints", "threads"):
+            v = getattr(self, name)
+            check(v >= 0, f"train: --{name.replace('_', '-')} {v} must be >= 0", "give 0 or a positive number")
+        check(self.lr > 0, f"train: --lr {self.lr} must be positive", "give e.g. --lr 1e-4")
+        check(0 <= self.warmup_ratio < 1, f"train: --warmup-ratio {self.warmup_ratio} outside [0, 1)", "e.g. 0.02")
+        check(0 <= self.min_lr_ratio <= 1, f"train: --min-lr-ratio {self.min_lr_ratio} outside [0, 1]", "e.g. 0.1")
+        check(0 <= self.val_fraction < 1, f"train: --val-fraction {self.val_fraction} outside [0, 1)", "e.g. 0.05")
+        check(0 < self.step_decay <= 1, f"train: --step-decay {self.step_decay} outside (0, 1]", "EAGLE-3 uses 0.8")
+        check(self.grad_clip >= 0, f"train: --grad-clip {self.grad_clip} is negative", "give 0 (off) or e.g. 0.5")
+        check(not self.online or bool(self.data), "train: --online needs the prepared dataset (--data DIR)",
+              "pass --data DIR, the folder eyas prepare wrote")
+        check(not (self.online and self.val_store), "train: --val-store does not go with --online",
+              "online training validates on DIR/validation of --data")
+        check(not self.tensorboard or importlib.util.find_spec("tensorboard") is not None,
+              "train: --tensorboard needs the tensorboard package, which is not installed",
+              "pip install tensorboard, or drop --tensorboard (metrics.jsonl has the same figures)")
+
+
+@dataclasses.dataclass
+class StepStats:
+    loss: float  # sum_i decay**i * loss_i: what is minimised
+    loss_i: list[float]  # per TTT step: cross-entropy per counted position (global)
+    acc_i: list[float]  # per TTT step: top-1 agreement with the target (global)
+    counts: list[int]  # counted positions per TTT step (global)
+    samples: int  # samples in this optimizer step (global, repeats included)
+    tokens: int  # real tokens fed to the draft (global)
+    lr: float
+    grad_norm: float
+    seconds: float
+
+
+class Trainer:
+    """One training run: set up from the config (or a checkpoint), then `fit()`."""
+
+    def __init__(self, cfg: TrainConfig, env: dist.DistEnv, con):
+        self.cfg, self.env, self.con = cfg, env, con
+        setup(self)  # sources, target, vocabulary, model, optimizer, plan, audit folder, resume position
+
+    # -- the loop ---------------------------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        cfg = self.cfg
+        running = self.epoch < cfg.epochs and self.step < self.total_steps
+        first = self.audited_shard(self.epoch) if running else None  # the audit line comes before the bar
+        bar = self.bar = self.con.progress(total=self.total_steps, initial=self.step, desc="train", unit="step")
+        try:
+            for epoch in range(self.epoch, cfg.epochs):
+                if self.step >= self.total_steps:
+                    break
+                shard = first if epoch == self.epoch else self.audited_shard(epoch)
+                start = self.step_in_epoch if epoch == self.epoch else 0
+                done = self.train_epoch(epoch, shard, start, bar)
+                if done:
+                    self.end_epoch(epoch)
+        finally:
+            bar.close()
+            self.bar = None
+            self.metrics.close()
+        return self.finish()
+
+    def train_epoch(self, epoch: int, shard, start: int, bar) -> bool:
+        """Run the epoch's optimizer steps from `start`; True when the epoch completed."""
+
+        batches = Prefetcher(self.batches(shard, start), self.cfg.prefetch)
+        it = iter(batches)
+        self.epoch_loop_s = 0.0
+        try:
+            for index in range(start, len(shard.steps)):
+                t0 = time.perf_counter()
+                window = [next(it) for _ in shard.steps[index]]
+                stats = self.train_step(window)
+                self.record(epoch, index + 1, stats, bar)
+                self.epoch_loop_s += time.perf_counter() - t0  # the loop's time, without checkpoints
+                last = index + 1 == len(shard.steps)
+                if self.step >= self.total_steps and not last:
+                    self.save(epoch, index + 1)
+                    return False
+                if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0 and not last:
+                    self.save(epoch, index + 1)
+        finally:
+            batches.close()
+            self.epoch_wait_s = batches.wait_s
+            self.data_wait_s += batches.wait_s
+            self.loop_s += self.epoch_loop_s
+        return True
+
+    def batches(self, shard, start: int):
+        """The epoch's micro-batches from optimizer step `start` on, as Batches (runs on the prefetch thread)."""
+
+        pin = self.env.device.startswith("cuda")
+        for s in range(start, len(shard.steps)):
+            for m, micro in enumerate(shard.steps[s]):
+                repeats = sum(len(u) for j, u in enumerate(micro) if (s, m, j) in shard.padded)
+                yield load_micro_batch(self.train_src, micro, repeats, pin)
+
+    def train_step(self, window) -> StepStats:
+        """One optimizer step over this rank's micro-batches `window`; the loss of TTT step i is normalised by
+        the global count of its counted positions (all ranks, all micro-batches), so any world size computes the
+        same gradient for the same global batch."""
+
+        t0 = time.perf_counter()
+        cfg, env, k = self.cfg, self.env, self.cfg.ttt_steps
+        batches = [self.prepare(b) for b in window]
+        valid = [self.valid(b) for b in batches]  # [k,B,T] each
+        local = torch.stack([v.sum((1, 2)) for v in valid]).sum(0).tolist()
+        totals = dist.all_reduce_sum(local + [sum(b.samples for b in batches), sum(b.tokens for b in batches)], env)
+        counts = torch.tensor(totals[:k], dtype=torch.float32)
+        scale = (self.weights / counts.clamp(min=1) * env.world_size).to(env.device)  # [k]
+        sums = torch.zeros(3, k, dtype=torch.float64)
+        for j, (b, v) in enumerate(zip(batches, valid)):
+            with no_sync(self.model, j == len(batches) - 1):
+                with autocast(env.device, self.dtype):
+                    with torch.no_grad():
+                        logp, index = sparse_target_logp(b.final, self.head_rows, needed_rows(v))  # [M,Vd], [B,T]
+                    loss_sum, correct, count = self.model(b.input_ids, b.aux, logp, index, b.loss_mask,
+                                                          b.position_ids, b.doc_ids)
+                    loss = (loss_sum.float() * scale).sum()
+                loss.backward()
+            sums += torch.stack([loss_sum.detach().double().cpu(), correct.double().cpu(), count.double().cpu()])
+        grad_norm = self.clip()
+        lr = lr_at(self.step, self.total_steps, self.warmup_steps, cfg.lr, cfg.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        red = dist.all_reduce_sum(sums.flatten().tolist(), env)
+        loss_i = [red[i] / max(1.0, totals[i]) for i in range(k)]
+        acc_i = [red[k + i] / max(1.0, totals[i]) for i in range(k)]
+        if [round(c) for c in red[2 * k:]] != [round(c) for c in totals[:k]]:
+            raise RuntimeError(f"eyas internal error: counted positions {red[2 * k:]} != precomputed {totals[:k]}")
+        loss = float(sum(w * li for w, li in zip(self.weights.tolist(), loss_i)))
+        return StepStats(loss, loss_i, acc_i, [int(c) for c in totals[:k]], int(totals[k]), int(totals[k + 1]), lr,
+                         grad_norm, time.perf_counter() - t0)
+
+    def prepare(self, batch):
+        """To the device (features in the compute dtype); online: the target computes the features here."""
+
+        feat = torch.float32 if self.dtype == "fp32" else torch.bfloat16
+        batch = batch.to(self.env.device, feat)
+        if self.cfg.online:
+            batch = capture_features(self.target, self.layer_ids, batch).to(self.env.device, feat)
+        return batch
+
+    def clip(self) -> float:
+        if not self.cfg.grad_clip:
+            return 0.0
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    # -- logging -----------------------------------------------------------------------------------------------------
+    def record(self, epoch: int, step_in_epoch: int, s: StepStats, bar) -> None:
+        """Count the step, write its metrics line (rank 0), advance the bar; time the first steps for the ETA."""
+        self.step += 1
+        self.step_in_epoch = step_in_epoch
+        self.samples_seen += s.samples
+        self.tokens_seen += s.tokens
+        self.tokens_run += s.tokens
+        self.epoch_samples += s.samples
+        self.last = s
+        rec = {"step": self.step, "epoch": epoch, "lr": s.lr, "loss": round(s.loss, 6),
+               "loss_i": [round(x, 6) for x in s.loss_i], "acc_i": [round(x, 6) for x in s.acc_i],
+               "tokens_per_s": round(s.tokens / max(s.seconds, 1e-9), 1), "samples_seen_global": self.samples_seen,
+               "elapsed_s": round(self.elapsed(), 3), "grad_norm": round(s.grad_norm, 6)}
+        if self.tag:
+            rec["duplicate_data"] = True
+        self.metrics.write(rec)
+        bar.set_postfix(loss=f"{s.loss:.3f}", acc0=f"{s.acc_i[0]:.3f}", refresh=False)
+        bar.update(1)
+        self.step_times.append(s.seconds)
+        if len(self.step_times) == 6:  # the first step warms up: rate from the next five
+            self.report_rate(sum(self.step_times[1:]) / 5)
+
+    def report_rate(self, seconds_per_step: float) -> None:
+        rate = 1.0 / max(seconds_per_step, 1e-9)
+        p = self.plan
+        timed = compute_plan(p.samples, p.world_size, p.micro_batch, p.grad_accum, p.epochs, p.drop_remainder,
+                             steps_per_s=rate, tokens=p.tokens)
+        left = (self.total_steps - self.step) / rate
+        self.say(f"plan: measured {rate:.2f} optimizer steps/s per rank -> {fmt_duration(left)} left for the "
+                 f"{fmt_int(self.total_steps - self.step)} remaining steps (global, all ranks step together)")
+        self.say(timed.lines()[-1])
+        if self.env.is_main:
+            write_json(self.out / "plan.json", {**self.plan_json, **timed.to_dict(), "remaining_eta_s": left})
+
+    def say(self, line: str) -> None:
+        """A console line (rank 0), written above the progress bar when one is showing."""
+        if self.bar is not None and not self.con.quiet:
+            self.bar.write(self.tag + line, file=self.con.stream)
+        else:
+            self.con.print(self.tag + line)
+
+    def elapsed(self) -> float:
+        return self.elapsed0 + time.perf_counter() - self.t0
+
+    def end_epoch(self, epoch: int) -> None:
+        """The epoch's global processed count against the dataset, validation, the epoch-end checkpoint."""
+        n = len(self.train_src)
+        wait = self.epoch_wait_s / max(self.epoch_loop_s, 1e-9)
+        self.say(f"epoch {epoch + 1}: {fmt_int(self.epoch_samples)} samples processed (global) of {fmt_int(n)} "
+                 f"({fmt_int(self.epoch_samples - n) if self.epoch_samples >= n else 0} repeats); "
+                 f"waiting for data {100 * wait:.1f}% of the loop's time")
+        self.epoch_samples = 0
+        self.val = self.validate(epoch)
+        self.save(epoch + 1, 0)
+
+    def validate(self, epoch: int) -> dict | None:
+        """The validation pass (eyas.train.engine.validation_sums): loss and acc per TTT step, global."""
+
+        if self.val_src is None:
+            return None
+        k = self.cfg.ttt_steps
+        red = validation_sums(self)
+        n = [max(1.0, x) for x in red[2 * k:]]
+        out = {"epoch": epoch, "samples": len(self.val_src), "loss_i": [red[i] / n[i] for i in range(k)],
+               "acc_i": [red[k + i] / n[i] for i in range(k)]}
+        out["loss"] = float(sum(w * x for w, x in zip(self.weights.tolist(), out["loss_i"])))
+        self.say(f"validation (epoch {epoch + 1}, {fmt_int(len(self.val_src))} samples, global): loss "
+                 f"{out['loss']:.4f}, acc_i " + " ".join(f"{a:.3f}" for a in out["acc_i"]))
+        self.metrics.write_validation({**out, "step": self.step})
+        return out
+
+    def valid(self, b):
+        return valid_masks(b.input_ids, b.loss_mask, b.doc_ids, self.t2d, self.cfg.ttt_steps)
+
+    # -- sharding audit, checkpoints, the end ------------------------------------------------------------------------
+    def audited_shard(self, epoch: int):
+        """This rank's share of the epoch, after checking every rank's actual sample ids (disjoint, covering)."""
+
+        shard = shard_epoch(self.train_src.lengths, epoch, self.env.rank, self.spec)
+        gathered = dist.all_gather_objects(shard.sample_ids(), self.env)
+        a = audit(gathered, len(self.train_src), epoch, shard.dropped_samples,
+                  units=shard.total_units if self.cfg.max_tokens else 0, allowed=self.cfg.allow_duplicate_data)
+        if not a.ok and self.cfg.allow_duplicate_data:
+            self.tag = "[DUPLICATE DATA] "
+        if epoch == self.epoch or not a.ok:
+            self.say(a.line())
+        if self.env.is_main:
+            self.audits[str(epoch)] = a.to_dict()
+            write_json(self.out / "audit.json", {**a.to_dict(), "epochs": self.audits})
+        if not a.ok and not self.cfg.allow_duplicate_data:
+            raise EyasError(f"sharding audit failed for epoch {epoch + 1}: {a.line()}",
+                            "ranks would train on the same samples (or some on none): the run would not be the "
+                            "one the plan describes" + ("; --no-shard-data is set" if not self.cfg.shard_data else ""),
+                            "drop --no-shard-data (or fix the sampler); --allow-duplicate-data trains anyway, "
+                            "marking every log line")
+        expect = self.steps_per_epoch[epoch]
+        if len(shard.steps) != expect:
+            raise RuntimeError(f"eyas internal error: {len(shard.steps)} steps in epoch {epoch + 1}, plan says {expect}")
+        return shard
+
+    def save(self, epoch: int, step_in_epoch: int) -> None:
+        """A checkpoint at data position (epoch, step_in_epoch): weights, optimizer, RNG states, counters."""
+
+        optim = full_optimizer_state(self.model, self.optimizer)  # collective under FSDP
+        draft = self.full_draft()
+        rngs = dist.all_gather_objects(rng_state(), self.env)
+        if self.env.is_main:
+            state = {"step": self.step, "epoch": epoch, "step_in_epoch": step_in_epoch,
+                     "world_size": self.env.world_size, "samples_seen_global": self.samples_seen,
+                     "tokens_seen_global": self.tokens_seen, "epoch_samples_global": self.epoch_samples,
+                     "elapsed_s": self.elapsed(), "config": self.cfg.to_dict(), "rng": rngs,
+                     "scheduler": {"step": self.step, "total": self.total_steps, "warmup": self.warmup_steps},
+                     "vocab": self.vocab_info, "training": self.training_summary(), "data": self.data_record}
+            save_checkpoint(self.out, self.step, draft, optim, state, self.cfg.keep_checkpoints)
+        dist.barrier(self.env)
+
+    def full_draft(self):
+        """An Eagle3Draft with the full weights (FSDP: gathered into a CPU copy; else the draft itself)."""
+
+        if not (self.env.distributed and self.cfg.parallel == "fsdp"):
+            return draft_of(self.model)
+        state = full_model_state(self.model)  # a collective: every rank takes part, rank 0 gets the tensors
+        if not self.env.is_main:
+            return None
+        copy = Eagle3Draft(self.draft_cfg)
+        copy.load_state_dict(state)
+        return copy
+
+    def training_summary(self) -> dict:
+        s = self.last
+        return {"steps": self.step, "epochs": self.cfg.epochs, "samples": self.samples_seen,
+                "tokens": self.tokens_seen, "world_size": self.env.world_size, "ttt_steps": self.cfg.ttt_steps,
+                "final_loss": s.loss if s else None, "final_acc_i": s.acc_i if s else None,
+                "validation": self.val, "vocab_coverage": self.vocab_info["coverage"], "dtype": self.dtype}
+
+    def finish(self) -> dict:
+        draft = self.full_draft()
+        summary = self.training_summary()
+        wait = self.data_wait_s / max(self.loop_s, 1e-9)
+        tps = self.tokens_run / max(self.loop_s, 1e-9)
+        result = {"out": str(self.out), "final": str(self.out / "final"), **summary, "tokens_per_s": tps,
+                  "train_loop_s": self.loop_s, "data_wait_share": wait, "elapsed_s": self.elapsed(),
+                  "audit": self.audits, "duplicate_data": bool(self.tag), "skipped_samples": self.data_record["skipped_samples"]}
+        if self.env.is_main:
+            save_draft(draft, self.out / "final", extra={"training": summary})
+            write_json(self.out / SUMMARY_FILE, result)
+        dist.barrier(self.env)
+        acc = " ".join(f"{a:.3f}" for a in (summary["final_acc_i"] or []))
+        self.con.summary(f"{self.tag}train: {fmt_int(self.step)} steps, {fmt_int(self.samples_seen)} samples "
+                         f"(global), acc_i {acc}, {tps:,.0f} tokens/s, data wait {100 * wait:.1f}% -> "
+                         f"{self.out / 'final'}")
+        return result
+
+
+def run(cfg: TrainConfig) -> dict | None:
+    """Train; rank 0 returns the run's summary, other ranks None (so `--json` prints one line per run)."""
+    env = dist.init(cfg.device)
+    try:
+        summary = Trainer(cfg, env, console(env.rank, cfg.quiet, cfg.json)).fit()
+        return summary if env.is_main else None
+    except Exception as e:
+        err = explain_failure(e, cfg, env)
+        if err is None:
+            raise
+        raise err from None
+    finally:
+        dist.shutdown()
+
+
+def explain_failure(e: Exception, cfg: TrainConfig, env) -> EyasError | None:
+    """What to tell the user when a rank lost its peers or the disk filled up (a checkpoint says which one it was
+    writing; this covers metrics.jsonl, plan.json, final/); None for any other error."""
+
+    resume = ("rerun the same command with --resume: training continues from the last complete checkpoint in "
+              f"{cfg.out}/checkpoints")
+    lost = dist.peer_failure(e, env, f"find the cause in the other ranks' output, then {resume}")
+    if lost is not None:
+        return lost
+    why = disk_full(e)
+    if why is None:
+        return None
+    return EyasError(f"cannot write to {cfg.out}: {why}", "the run folder's disk is full (or a size limit or quota "
+                     "was hit)", f"free space on that disk (or lower --keep-checkpoints), then {resume}")
+

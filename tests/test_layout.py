@@ -1,0 +1,140 @@
+"""The package layout: imports point down the layers, no module imports another inside a function, no circles.
+
+    core < data < store < draft < {train, speculate, doctor, report} < pipeline < cli (and the __main__ entries)
+
+A stage may use the layers below it and its own package; stages on one layer do not import each other.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "eyas"
+RANK = {"core": 0, "data": 1, "store": 2, "draft": 3, "train": 4, "speculate": 4, "doctor": 4, "report": 4,
+        "pipeline": 5, "cli": 6, "__main__": 7}
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(SRC.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+MODULES = {module_name(p): p for p in sorted(SRC.rglob("*.py"))}
+
+
+def layer(mod: str) -> tuple[int, str]:
+    """(rank, package) of an eyas module; `python -m` entries sit on the top layer."""
+    parts = mod.split(".")
+    if parts[-1] == "__main__":
+        return RANK["__main__"], "__main__"
+    if len(parts) == 1:  # the eyas package itself: nothing but its version
+        return 0, "eyas"
+    return RANK[parts[1]], parts[1]
+
+
+def eyas_targets(node: ast.AST) -> list[str]:
+    """The eyas modules an import statement reads (a name that is a module counts as that module)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name.split(".")[0] == "eyas"]
+    if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "eyas" and not node.level:
+        subs = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in MODULES]
+        return subs or [node.module]
+    return []
+
+
+def imports(path: Path) -> list[tuple[ast.AST, bool]]:
+    """Every import statement of a file with whether it sits inside a function."""
+    out = []
+
+    def walk(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                out.append((child, in_function))
+            walk(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    walk(ast.parse(path.read_text(encoding="utf-8")), False)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    return {mod: {t for node, _ in imports(p) for t in eyas_targets(node)} for mod, p in MODULES.items()}
+
+
+def test_every_module_is_in_a_known_layer():
+    unknown = [m for m in MODULES if len(m.split(".")) > 1 and m.split(".")[1] not in RANK]
+    assert not unknown, f"modules outside the layers {sorted(RANK)}: {unknown}; add the package to RANK"
+
+
+def test_imports_point_down():
+    upward = []
+    for mod, targets in graph().items():
+        rank, pkg = layer(mod)
+        for t in targets:
+            t_rank, t_pkg = layer(t)
+            if t_pkg != pkg and t_rank >= rank and t != "eyas":
+                upward.append(f"{mod} imports {t} ({t_pkg}, layer {t_rank} >= {rank})")
+    assert not upward, "imports that do not point down:\n  " + "\n  ".join(upward)
+
+
+def test_no_import_circle():
+    g = graph()
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    circles = []
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        for t in sorted(g.get(m, ())):
+            if t not in g:
+                continue
+            if state.get(t) == 1:
+                circles.append(" -> ".join(stack[stack.index(t):] + [t]))
+            elif t not in state:
+                visit(t, stack + [t])
+        state[m] = 2
+
+    for m in sorted(g):
+        if m not in state:
+            visit(m, [m])
+    assert not circles, "import circles:\n  " + "\n  ".join(circles)
+
+
+def test_no_import_inside_a_function_but_heavy_optional_ones_with_a_reason():
+    """eyas modules are imported at the top; a third-party import inside a function (a heavy or optional
+    dependency, kept off the start-up path) carries its reason in a comment on its line or the line above."""
+    bad = []
+    for mod, path in MODULES.items():
+        lines = path.read_text(encoding="utf-8").splitlines()
+        for node, in_function in imports(path):
+            if not in_function:
+                continue
+            where = f"{path.relative_to(SRC.parent)}:{node.lineno}"
+            if eyas_targets(node):
+                bad.append(f"{where}: eyas import inside a function: {lines[node.lineno - 1].strip()}")
+                continue
+            top = (node.names[0].name if isinstance(node, ast.Import) else node.module or "").split(".")[0]
+            if top in sys.stdlib_module_names and top not in ("fcntl", "ctypes", "msvcrt", "resource"):
+                bad.append(f"{where}: standard-library import inside a function (import it at the top)")
+            elif "#" not in lines[node.lineno - 1] and not lines[node.lineno - 2].strip().startswith("#"):
+                bad.append(f"{where}: import inside a function without a reason comment")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("bad, why", [
+    ("from eyas.pipeline.runner import run_stage\n", "upward"),
+    ("def f():\n    from eyas.core.log import console\n", "inside"),
+])
+def test_the_checks_catch_what_they_guard(tmp_path, monkeypatch, bad, why):
+    """The checks above fail on an upward import and on an import inside a function."""
+    fake = tmp_path / "eyas" / "core" / "fake.py"
+    fake.parent.mkdir(parents=True)
+    fake.write_text(bad)
+    monkeypatch.setattr(sys.modules[__name__], "MODULES", {"eyas.core.fake": fake, "eyas.pipeline.runner": fake})
+    monkeypatch.setattr(sys.modules[__name__], "SRC", tmp_path / "eyas")
+    check = test_imports_point_down if why == "upward" else test_no_import_inside_a_function_but_heavy_optional_ones_with_a_reason
+    with pytest.raises(AssertionError):
+        check()
