@@ -38,14 +38,10 @@ from pathlib import Path
 
 import torch
 
+from eyas.core.memory import tune_allocator
 from eyas.core.target import load_target
-from eyas.store.extract import (
-    ExtractConfig,
-    open_prepared,
-    plan_batches,
-    plan_shards,
-    tune_allocator,
-)
+from eyas.data.prepared import open_prepared
+from eyas.store.extract import ExtractConfig, plan_batches, plan_shards
 from eyas.store.extract import run as extract
 from eyas.store.layout import SHARD_DIR, bytes_per_token
 from eyas.store.reader import StoreReader
@@ -68,7 +64,7 @@ def prepared_dataset(args, out: Path) -> Path:
 
 def bare_forward(target, data: Path, cfg: ExtractConfig) -> tuple[float, int]:
     """(seconds, tokens) of the base model over the batches extract would run, outputs dropped."""
-    ds, _ = open_prepared(str(data), cfg.split)
+    ds = open_prepared(str(data), cfg.split).ds
     lengths = [int(x) for x in ds["num_tokens"]]
     bpt = bytes_per_token(target.hidden_size, cfg.compact)
     t0, tokens = time.perf_counter(), 0
@@ -186,14 +182,15 @@ def main() -> None:
         ratios.append(t_bare / t_ext)
         cpu_ratios.append((c1 - c0) / (c2 - c1))
         rates.append((tokens / t_bare, tokens / t_ext))
-        print(f"  bare {tokens / t_bare:8.0f} tok/s   extract {tokens / t_ext:8.0f} tok/s   wall ratio {t_bare / t_ext:.3f}"
-              f"   cpu-time ratio {cpu_ratios[-1]:.3f}", flush=True)
+        print(f"  bare {tokens / t_bare:8.0f} tok/s   extract {tokens / t_ext:8.0f} tok/s"
+              f"   wall ratio {t_bare / t_ext:.3f}   cpu-time ratio {cpu_ratios[-1]:.3f}", flush=True)
     problems = StoreReader(cfg.store).verify()  # what `eyas store verify` runs: every checksum recomputed
     print(f"  store verify {cfg.store}: " + ("passed" if not problems else f"{len(problems)} problems: {problems[:3]}"))
     compact = dataclass_replace(cfg, store=str(out / "store-compact"), compact=True)
     t_bare, tokens = bare_forward(target, data, cfg)
     t_cmp = timed_extract(target, compact)
-    print(f"  compact: bare {tokens / t_bare:.0f} tok/s, extract {tokens / t_cmp:.0f} tok/s, ratio {t_bare / t_cmp:.3f}")
+    print(f"  compact: bare {tokens / t_bare:.0f} tok/s, extract {tokens / t_cmp:.0f} tok/s,"
+          f" ratio {t_bare / t_cmp:.3f}")
 
     # Reads run on one thread, as a data-loading thread does (and as readinto does): a multi-threaded copy_ of
     # a few MiB only adds OpenMP barriers, which on a busy machine cost more than the copy itself.
@@ -225,7 +222,8 @@ def main() -> None:
         "target": args.target, "samples": m_bf16["samples"], "tokens": m_bf16["tokens"],
         "store_verify_problems": problems,
         "threads": threads,
-        "extract_over_bare_forward": round(statistics.median(ratios), 3), "extract_ratios": [round(r, 3) for r in ratios],
+        "extract_over_bare_forward": round(statistics.median(ratios), 3),
+        "extract_ratios": [round(r, 3) for r in ratios],
         "extract_over_bare_forward_cpu_time": round(statistics.median(cpu_ratios), 3),
         "extract_cpu_ratios": [round(r, 3) for r in cpu_ratios],
         "bare_tok_s": [round(a) for a, _ in rates], "extract_tok_s": [round(b) for _, b in rates],
@@ -238,7 +236,8 @@ def main() -> None:
         "mapped_checked_random_over_sequential_read": round(statistics.median(figures["mapped"]), 3),
         "trainer_batches_over_sequential_read": round(statistics.median(figures["trainer"]), 3),
         "reference_bytes_per_token": 8 * H,
-        "bf16_bytes_per_token": m_bf16["bytes_per_token"], "bf16_over_reference": round(m_bf16["bytes_per_token"] / (8 * H), 4),
+        "bf16_bytes_per_token": m_bf16["bytes_per_token"],
+        "bf16_over_reference": round(m_bf16["bytes_per_token"] / (8 * H), 4),
         "compact_bytes_per_token": m_cmp["bytes_per_token"],
         "compact_over_reference": round(m_cmp["bytes_per_token"] / (8 * H), 4),
     }

@@ -477,7 +477,7 @@ def main() -> None:
     if sys.argv[1:2] == [SHIM]:
         return _shim(sys.argv[2:])
     from eyas.core.errors import EyasError
-    from eyas.core.log import write_json
+    from eyas.core.files import write_json
 
     args = parse_args(sys.argv[1:])
     t0 = time.perf_counter()

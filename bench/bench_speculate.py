@@ -6,8 +6,9 @@
 Prints, and writes to --out (JSON):
 1. t(q) for q = 1, 4, 8, 16, 32 after a 300-token prefix, for eyas's lean runner, the HF-forward runner and
    plain transformers (model(...) with a DynamicCache), interleaved so machine noise hits them alike;
-2. the time of one proposal (a catch-up of 4 positions, then k-1 chain steps) of an untrained EAGLE-3 draft with a
-   32000-entry head, in bf16 and with int8 weight-only linears;
+2. the time of one proposal (a catch-up of 4 positions, then k-1 chain steps; or a dynamic tree) of an untrained
+   EAGLE-3 draft with a 32000-entry head, in bf16 and with int8 weight-only linears, with the draft's preallocated
+   cache and with the concatenating cache it replaced, side by side;
 3. end to end on MT-Bench prompts (via `eyas evaluate`'s run): plain greedy (eyas and transformers' generate),
    the untrained draft with the adaptive controller (the poor-draft case: must stay within 10% of plain), the
    oracle drafter (the engine's upper bound: efficiency and overhead), prompt lookup.
@@ -49,28 +50,72 @@ def latency_tables(target, layers, qs, reps, prefix):
     return out
 
 
+def concat_forward(self, input_ids, hidden, position_ids, cache=None, mask=None):
+    """Eagle3Draft.forward as it was before its cache was preallocated: every call concatenates the new keys and
+    values onto copies of the old ones (the reference the in-place cache is timed against, side by side)."""
+    from eyas.draft.model import attend
+
+    if hidden.shape[-1] == 3 * self.cfg.target_hidden_size:
+        hidden = self.fuse(hidden)
+    embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+    cos, sin = self.rope(position_ids, hidden.dtype)
+    cache = cache or [None] * len(self.all_layers())
+    T = input_ids.shape[1]
+    if mask is None:
+        S = 0 if cache[0] is None else cache[0][0].shape[2]
+        mask = torch.ones(T, S + T, dtype=torch.bool, device=hidden.device).tril(S)[None, None]
+    new_cache = []
+    for layer, kv in zip(self.all_layers(), cache):
+        q, k, v, residual = layer.qkv(hidden, embeds, cos, sin)
+        if kv is not None:
+            k, v = torch.cat((kv[0], k), dim=2), torch.cat((kv[1], v), dim=2)
+        new_cache.append((k, v))
+        hidden = layer.finish(attend(q, k, v, mask), residual)
+    return hidden, new_cache
+
+
 @torch.inference_mode()
 def draft_times(target, draft, reps=20, prefix=300):
-    """Median ms of one propose: a catch-up of 4 positions (a round that accepted 3) then k-1 chain steps."""
-    from eyas.speculate.drafters import Eagle3Drafter
+    """Median ms of one propose (a catch-up of 4 positions, as after a round that accepted 3, then k-1 chain steps)
+    and of one dynamic-tree proposal, with the draft's preallocated cache and with the concatenating one it
+    replaced, interleaved rep by rep so machine noise hits both alike."""
+    import contextlib
+    from unittest import mock
+
+    from eyas.draft.model import Eagle3Draft
+    from eyas.speculate.drafters import Eagle3Drafter, TreeShape
     from eyas.speculate.runner import LeanRunner
+
+    def way_of(way: str):  # the concatenating reference, patched in for its own calls only
+        if way == "concat":
+            return mock.patch.object(Eagle3Draft, "forward", concat_forward)
+        return contextlib.nullcontext()
 
     runner = LeanRunner(target, draft.cfg.feature_layers)
     ids = torch.randint(0, 40000, (prefix,))
     _, feats = runner.prefill(ids)
     seq = ids.tolist() + [1]
     res = {}
-    for k in (1, 3, 7):
-        d = Eagle3Drafter(draft, k=k)
-        d.start(seq[:-4], feats[:-4])  # the committed cache of positions 0..prefix-5
-        base_cache, base_done = d.cache, d.done
-        ts = []
+    shapes = [(f"k{k}", dict(k=k)) for k in (1, 3, 7)] + [("tree", dict(tree=TreeShape(topk=4, depth=5, size=16)))]
+    for name, kw in shapes:
+        ts = {"inplace": [], "concat": []}
+        drafters = {}
+        for way in ts:
+            with way_of(way):
+                d = Eagle3Drafter(draft, **kw)
+                d.start(seq[:-4], feats[:-4])  # the committed cache of positions 0..prefix-5
+            drafters[way] = (d, d.cache, d.done)
         for _ in range(reps):
-            d.cache, d.done, d.pending, d.ready = base_cache, base_done, [feats[-4:]], None
-            t0 = time.perf_counter()
-            d.propose(seq, 0.0, None, None)
-            ts.append(time.perf_counter() - t0)
-        res[f"propose_k{k}_ms"] = 1000 * sorted(ts)[len(ts) // 2]
+            for way, (d, base_cache, base_done) in drafters.items():
+                with way_of(way):
+                    d.cache, d.done, d.pending, d.ready = base_cache, base_done, [feats[-4:]], None
+                    t0 = time.perf_counter()
+                    d.propose(seq, 0.0, None, None)
+                    ts[way].append(time.perf_counter() - t0)
+        for way, t in ts.items():
+            res[f"propose_{name}_{way}_ms"] = 1000 * sorted(t)[len(t) // 2]
+        ratio = res[f"propose_{name}_concat_ms"] / res[f"propose_{name}_inplace_ms"]
+        res[f"propose_{name}_concat_over_inplace"] = ratio
     return res
 
 
@@ -83,6 +128,7 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--new", type=int, default=96)
     ap.add_argument("--skip", nargs="*", default=(), help="parts to skip: latency draft e2e")
+    ap.add_argument("--draft-prefix", type=int, default=300, help="committed positions before the timed proposals")
     ap.add_argument("--out", default="/tmp/eyas-bench-speculate")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -101,8 +147,13 @@ def main(argv=None):
         from eyas.speculate.drafters import quantize_int8
 
         for name, d in (("draft", draft), ("draft_int8", quantize_int8(draft))):
-            res[name] = draft_times(target, d)
-            print(f"{name} propose ms (catch-up of 4 + chain):", {k: round(v, 2) for k, v in res[name].items()})
+            res[name] = draft_times(target, d, prefix=args.draft_prefix)
+            print(f"{name} propose ms after {args.draft_prefix} positions (catch-up of 4 + chain k, or a tree), "
+                  "preallocated cache vs concatenation:")
+            for shape in ("k1", "k3", "k7", "tree"):
+                r = res[name]
+                print(f"  {shape:>4}: in place {r[f'propose_{shape}_inplace_ms']:7.2f}  concatenating "
+                      f"{r[f'propose_{shape}_concat_ms']:7.2f}  ratio {r[f'propose_{shape}_concat_over_inplace']:.2f}x")
     if "e2e" not in args.skip:
         for name, kw in (("untrained adaptive", dict(adaptive=True, baselines=("oracle", "prompt-lookup"))),
                          ("untrained fixed k", dict(adaptive=False, baselines=("oracle",)))):

@@ -131,7 +131,8 @@ def main() -> None:
                *train_argv(settings, fill)]
         walls[row] = round(sh(cmd, x / f"{row}.log"), 1)
         (x / "walls.json").write_text(json.dumps(walls, indent=1))
-    lines = [f"every row's flags unless it says otherwise: {' '.join(train_argv(base, fill))} --epochs {args.epochs}", ""]
+    lines = [f"every row's flags unless it says otherwise: {' '.join(train_argv(base, fill))} --epochs {args.epochs}",
+             ""]
     for bench in EVAL:
         rows = [r for r in args.rows if ROWS[r][1] == bench and (x / r / "final").is_dir()]
         if rows:
@@ -161,7 +162,8 @@ def table(x: Path, bench: str, rows: list[str], walls: dict) -> list[str]:
     results = json.loads((x / f"evaluate-{bench}" / "results.json").read_text())
     by_draft = {c["drafter"]: c for c in results["configs"]}
     lines = [f"{bench} (baseline {results['baseline']['tokens_per_s']:.1f} tokens/s):", "",
-             "| row | change | train wall | train acc_0..k (last 10% of steps) | tau (chain 7) | accept rate by position 1-3 | speedup | lossless |",
+             "| row | change | train wall | train acc_0..k (last 10% of steps) | tau (chain 7) "
+             "| accept rate by position 1-3 | speedup | lossless |",
              "|---|---|---|---|---|---|---|---|"]
     for i, row in enumerate(rows):
         c = by_draft["eagle3"] if i == 0 else by_draft[str(x / row / "final")]

@@ -6,12 +6,10 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
 from eyas.core.errors import EyasError
 from eyas.draft.checkpoint import (
     check_resumable,
@@ -27,7 +25,7 @@ from eyas.draft.checkpoint import (
 )
 from eyas.train.engine import full_optimizer_state, load_optimizer_state
 from eyas.train.trainer import TrainConfig, run
-from train_fakes import write_store
+from tests.train_fakes import write_store
 
 
 def adam_after_steps(seed=0):
@@ -69,7 +67,7 @@ def test_rng_roundtrip():
 
 
 def small_draft():
-    from test_model import small_draft as make
+    from tests.test_model import small_draft as make
 
     return make()
 

@@ -15,7 +15,7 @@ from eyas.core.log import Console
 from eyas.core.paths import shared_data_dir
 from eyas.pipeline.demo import RunConfig, stages_from_toml
 from eyas.pipeline.runner import Stage, run_stage
-from test_report import SECTIONS, Page, check_numbers
+from tests.test_report import SECTIONS, Page, check_numbers
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,8 @@ def quick_run(tmp_path_factory) -> tuple[Path, str]:
     return runs / "demo-quick", proc.stderr
 
 
-needs_shared_data = pytest.mark.skipif(shared_data_dir() is None, reason="no shared data folder ($EYAS_SHARED_DATA or ../shared/data): the demo trains on GSM8K train")
+needs_shared_data = pytest.mark.skipif(shared_data_dir() is None, reason="no shared data folder ($EYAS_SHARED_DATA or "
+                                       "../shared/data): the demo trains on GSM8K train")
 
 
 @needs_shared_data

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from eyas.core.errors import EyasError
 from eyas.doctor.diagnose import DoctorConfig, run
@@ -258,7 +260,7 @@ def test_seed_case_eyas_log(tmp_path):
     assert rep["epoch"] == 1 and rep["step_in_epoch"] == 378 and not rep["ended"]
 
 
-# -- eyas's own two-rank run (built from eyas.train.sharding, the sampler the trainer uses) -----------------------------
+# -- eyas's own two-rank run (built from eyas.train.sharding, the sampler the trainer uses) ----------------------------
 @pytest.mark.parametrize("sharded", [True, False])
 def test_eyas_two_rank_run(tmp_path, sharded):
     """A run folder and console log as the trainer writes them: metrics from rank 0, the real Audit of 2 ranks."""
@@ -311,7 +313,7 @@ def probe_truth(text: str) -> dict:
 def real_log(tmp_path, name) -> tuple[Path, dict]:
     text = (FIXTURES / name).read_text(encoding="utf-8")
     truth = probe_truth(text)
-    clean = "".join(l for l in text.splitlines(keepends=True) if not l.startswith("[probe]"))
+    clean = "".join(line for line in text.splitlines(keepends=True) if not line.startswith("[probe]"))
     assert "[probe]" not in clean
     (tmp_path / name).write_text(clean, encoding="utf-8")
     return tmp_path / name, truth
@@ -434,9 +436,6 @@ def test_cli_json(tmp_path, capsys):
 
 
 # -- fuzzing: any bytes give an EyasError or a report, never a traceback or a hang -------------------------------
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st
-
 FRAGMENTS = ["step 3: {'lr': 1e-4, 'loss': 2}", "step 0: {'lr': nan, 'perf/optimizer_step_time_s': inf}", "[rank1]: ",
              "[default0]: ", "global_step=", "epoch=0, lr=", "\r", "\n", '{"step": -1}',
              '{"step": 2, "epoch": 1e308, "elapsed_s": 1e999}', "[23:59:59] INFO     train/loss=0.1", " " * 20,

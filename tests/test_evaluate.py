@@ -10,7 +10,7 @@ from eyas.core.paths import shared_data_dir
 from eyas.draft.checkpoint import save_draft
 from eyas.speculate.evaluate import EvalConfig, load_bench
 from eyas.speculate.report import method_figures
-from speculate_helpers import trained_draft
+from tests.speculate_helpers import trained_draft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

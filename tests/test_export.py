@@ -79,7 +79,7 @@ def test_round_trip_identical(tiny_target, tmp_path, fmt):
         assert torch.equal(m.logits(m(ids, aux, pos)[0]), back.logits(back(ids, aux, pos)[0]))
 
 
-def expected_from_engines(fmt: str, V: int, Vd: int, H: int = 64, I: int = 128, nq: int = 4, nkv: int = 2,
+def expected_from_engines(fmt: str, V: int, Vd: int, H: int = 64, inter: int = 128, nq: int = 4, nkv: int = 2,
                           d: int = 16) -> dict:
     """Names and shapes as the engines' model classes declare them (vLLM/SGLang LlamaForCausalLMEagle3,
     speculators Eagle3DraftModel), written out by hand for the tiny target's draft."""
@@ -88,8 +88,8 @@ def expected_from_engines(fmt: str, V: int, Vd: int, H: int = 64, I: int = 128, 
          layer + "input_layernorm.weight": (H,), layer + "hidden_norm.weight": (H,),
          layer + "self_attn.q_proj.weight": (nq * d, 2 * H), layer + "self_attn.k_proj.weight": (nkv * d, 2 * H),
          layer + "self_attn.v_proj.weight": (nkv * d, 2 * H), layer + "self_attn.o_proj.weight": (H, nq * d),
-         layer + "post_attention_layernorm.weight": (H,), layer + "mlp.gate_proj.weight": (I, H),
-         layer + "mlp.up_proj.weight": (I, H), layer + "mlp.down_proj.weight": (H, I)}
+         layer + "post_attention_layernorm.weight": (H,), layer + "mlp.gate_proj.weight": (inter, H),
+         layer + "mlp.up_proj.weight": (inter, H), layer + "mlp.down_proj.weight": (H, inter)}
     if Vd != V:
         w |= {"d2t": (Vd,), "t2d": (V,)}
     return w
@@ -173,7 +173,8 @@ def _broken(tmp_path, tiny_target, fmt="eagle3", edit_w=None, edit_cfg=None) -> 
 
 @pytest.mark.parametrize("edit_w, edit_cfg, message", [
     (lambda w: w.pop("midlayer.self_attn.q_proj.weight"), None, "missing weight 'midlayer.self_attn.q_proj.weight'"),
-    (lambda w: w.update({"fc.weight": torch.zeros(64, 64)}), None, r"'fc.weight' has shape \[64, 64\], expected \[64, 192\]"),
+    (lambda w: w.update({"fc.weight": torch.zeros(64, 64)}), None,
+     r"'fc.weight' has shape \[64, 64\], expected \[64, 192\]"),
     (lambda w: w.pop("d2t"), None, "missing weight 'd2t'"),
     (lambda w: w.update({"fc_norm.0.weight": torch.ones(64)}), None, "unexpected weight 'fc_norm.0.weight'"),
     (lambda w: w.update({"d2t": torch.zeros(500, dtype=torch.long)}), None, "'t2d' disagrees with 'd2t'"),
@@ -237,7 +238,8 @@ _SPECULATORS_CHECK = textwrap.dedent("""
     ours = read_draft(ckpt)
     g = torch.Generator().manual_seed(1)
     T = 12
-    ids, aux, pos = torch.randint(0, ours.cfg.vocab_size, (1, T), generator=g), torch.randn(1, T, 192, generator=g), torch.arange(T)[None]
+    ids, aux, pos = (torch.randint(0, ours.cfg.vocab_size, (1, T), generator=g), torch.randn(1, T, 192, generator=g),
+                     torch.arange(T)[None])
     logits = []
     theirs.lm_head.register_forward_hook(lambda m, i, o: logits.append(o.detach()))
     with torch.no_grad():
@@ -266,7 +268,8 @@ def speculators_python() -> str:
 
     venv = cache_dir() / "speculators-venv"
     py = venv / "bin" / "python"
-    if not py.exists() or subprocess.run([str(py), "-c", "import speculators"], capture_output=True, check=False).returncode:
+    if not py.exists() or subprocess.run([str(py), "-c", "import speculators"], capture_output=True,
+                                         check=False).returncode:
         subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
         subprocess.run([str(py), "-m", "pip", "install", "-q", "-c", str(REPO / "constraints.txt"), "speculators"],
                        check=True)
@@ -283,7 +286,8 @@ def test_speculators_loads_our_export(tiny_target, tmp_path):
     (tmp_path / "check.py").write_text(_SPECULATORS_CHECK)
     py = speculators_python()
     r = subprocess.run([py, str(tmp_path / "check.py"), str(tmp_path / "sp"), str(tmp_path / "ckpt")],
-                       capture_output=True, text=True, timeout=600, check=False, env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+                       capture_output=True, text=True, timeout=600, check=False,
+                       env={**os.environ, "PYTHONPATH": str(REPO / "src")})
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["d2t"] and res["t2d"] and res["layer_ids"] == [2, 4, 5]

@@ -28,18 +28,21 @@ def parse_file(path):
 @pytest.mark.parametrize("record", [
     {"conversations": [{"from": "human", "value": Q}, {"from": "gpt", "value": A}]},
     {"messages": [{"role": "user", "content": Q}, {"role": "assistant", "content": A}]},
-    {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "2 + 2?"}]},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is "},
+                                               {"type": "text", "text": "2 + 2?"}]},
                   {"role": "assistant", "content": A}]},
     {"question": Q, "answer": A},
     {"prompt": Q, "response": A},
     {"prompt": Q, "completion": A},
     {"instruction": Q, "input": "", "output": A},
-    {"messages": [[{"text": Q, "sender": "s1"}], [{"text": "2 + 2", "sender": "s2"}, {"text": "= 4.", "sender": "s2"}]]},
+    {"messages": [[{"text": Q, "sender": "s1"}],
+                  [{"text": "2 + 2", "sender": "s2"}, {"text": "= 4.", "sender": "s2"}]]},
 ], ids=["sharegpt", "openai", "openai-parts", "gsm8k", "prompt-response", "prompt-completion", "alpaca", "chitchat"])
 def test_single_turn_formats_agree(tmp_path, record):
     convs, issues = parse_file(write_jsonl(tmp_path / "d.jsonl", [record]))
     assert not issues.counts
-    expected = SINGLE if "sender" not in json.dumps(record) else [Message("user", Q), Message("assistant", "2 + 2\n= 4.")]
+    expected = (SINGLE if "sender" not in json.dumps(record)
+                else [Message("user", Q), Message("assistant", "2 + 2\n= 4.")])
     assert convs[0].messages == expected
     assert convs[0].id == "d:1"  # no own id: <file stem>:<line>
 
@@ -62,7 +65,8 @@ def test_prompt_only_formats(tmp_path):
                {"question": "Write a poem."}]
     convs, issues = parse_file(write_jsonl(tmp_path / "q.jsonl", records))
     assert not issues.counts
-    assert convs[0].id == "81" and convs[0].messages == [Message("user", "Write a poem."), Message("user", "Now shorter.")]
+    assert convs[0].id == "81" and convs[0].messages == [Message("user", "Write a poem."),
+                                                         Message("user", "Now shorter.")]
     assert convs[1].messages == [Message("user", "Write a poem.")] == convs[3].messages
     assert convs[2].messages == [Message("user", "Translate.\n\nBonjour")]
     assert not any(c.has_assistant for c in convs)
@@ -121,7 +125,8 @@ def test_malformed_lines_counted_not_fatal(tmp_path):
 
 def test_malformed_json_array_element_reports_its_line(tmp_path):
     path = tmp_path / "arr.json"
-    path.write_text('[\n {"question": "a", "answer": "b"},\n {"question": oops},\n {"question": "c"}\n]', encoding="utf-8")
+    path.write_text('[\n {"question": "a", "answer": "b"},\n {"question": oops},\n {"question": "c"}\n]',
+                    encoding="utf-8")
     convs, issues = parse_file(path)
     assert len(convs) == 1 and issues.counts == {"malformed-json": 1}
     assert issues.places["malformed-json"][0]["where"] == f"{path}:3"

@@ -132,3 +132,47 @@ def test_packed_documents_do_not_mix():
                          doc_ids=torch.tensor([[0] * 6 + [1] * 5]))
     assert torch.equal(packed.count, ra.count + rb.count)
     torch.testing.assert_close(packed.loss_sum, ra.loss_sum + rb.loss_sum, rtol=1e-5, atol=1e-5)
+
+
+def _cat_reference(m: Eagle3Draft, ids, hidden, pos, kv):
+    """The draft's forward with a cache grown by concatenation: what Eagle3Draft.forward computed before its cache
+    was preallocated, from the same layer pieces."""
+    if hidden.shape[-1] == 3 * m.cfg.target_hidden_size:
+        hidden = m.fuse(hidden)
+    embeds = m.embed_tokens(ids).to(hidden.dtype)
+    cos, sin = m.rope(pos, hidden.dtype)
+    S, T = (kv[0][0].shape[2] if kv else 0), ids.shape[1]
+    mask = torch.ones(T, S + T, dtype=torch.bool).tril(S)[None, None]
+    out = []
+    for i, layer in enumerate(m.all_layers()):
+        q, k, v, residual = layer.qkv(hidden, embeds, cos, sin)
+        if kv:
+            k, v = torch.cat((kv[i][0], k), dim=2), torch.cat((kv[i][1], v), dim=2)
+        out.append((k, v))
+        hidden = layer.finish(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), residual)
+    return hidden, out
+
+
+def test_preallocated_cache_equals_concatenation_and_keeps_committed_positions(monkeypatch):
+    """Decoding in place over a preallocated cache gives the concatenating cache's outputs, across a regrowth of
+    its buffers; a speculative pass past a committed cache (tokens later rejected) leaves that cache as it was."""
+    from eyas.draft.model import KVCache
+
+    monkeypatch.setattr(KVCache, "MIN_CAPACITY", 4)  # so the buffers grow (twice) within a few steps
+    torch.manual_seed(3)
+    m = small_draft().eval()
+    ids, aux = m.target_ids()[torch.randint(0, 20, (1, 12))], torch.randn(1, 12, 3 * H)
+    with torch.no_grad():
+        h, cache = m(ids[:, :3], aux[:, :3], torch.arange(3)[None])
+        h_ref, ref = _cat_reference(m, ids[:, :3], aux[:, :3], torch.arange(3)[None], None)
+        torch.testing.assert_close(h, h_ref)
+        committed, committed_ref = cache, ref
+        for p in range(3, 12):  # one position at a time, as the chain drafter does
+            h, cache = m(ids[:, p:p + 1], h[:, -1:], torch.tensor([[p]]), cache)
+            h_ref, ref = _cat_reference(m, ids[:, p:p + 1], h_ref[:, -1:], torch.tensor([[p]]), ref)
+            torch.testing.assert_close(h, h_ref, rtol=1e-5, atol=1e-6)
+        assert cache.length == 12 and cache.capacity >= 12
+        # a new pass from the committed cache of 3 positions: the speculative writes above did not change it
+        h2, _ = m(ids[:, 3:5], aux[:, 3:5], torch.arange(3, 5)[None], committed)
+        h2_ref, _ = _cat_reference(m, ids[:, 3:5], aux[:, 3:5], torch.arange(3, 5)[None], committed_ref)
+        torch.testing.assert_close(h2, h2_ref, rtol=1e-5, atol=1e-6)

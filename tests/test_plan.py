@@ -68,7 +68,7 @@ def test_too_few_samples_to_drop():
 def test_lines_are_labelled():
     lines = compute_plan(35_446, 4, 1, 1, 5, steps_per_s=1.4, tokens=87_800_000).lines()
     text = "\n".join(lines)
-    assert all(("per rank" in l or "global" in l) for l in lines), lines
+    assert all(("per rank" in line or "global" in line) for line in lines), lines
     for figure in ("8,862", "44,310", "2 padded", "8.8 h", "35.2 h", "35,446", "global batch 4", "87,800,000"):
         assert figure in text
     dropped = "\n".join(compute_plan(35_446, 4, 1, 1, 5, drop_remainder=True).lines())
@@ -116,7 +116,8 @@ def test_run_target_and_prepared_dir(tmp_path, monkeypatch):
 
 def test_prepared_dir_without_summary(tmp_path):
     datasets = pytest.importorskip("datasets")
-    ds = datasets.Dataset.from_dict({"id": ["a", "b", "c"], "num_tokens": [5, 7, 9]})
+    ds = datasets.Dataset.from_dict({"id": ["a", "b", "c"], "input_ids": [[1] * 5, [2] * 7, [3] * 9],
+                                     "loss_mask": [[1] * 5, [1] * 7, [0] * 9], "num_tokens": [5, 7, 9]})
     ds.save_to_disk(str(tmp_path / "train"))
     out = run(PlanConfig(data=str(tmp_path), quiet=True))
     assert out["plan"]["samples"] == 3 and out["plan"]["tokens"] == 21
@@ -137,7 +138,8 @@ def test_cli(capsys):
 @pytest.mark.parametrize("n, w, b, g, drop", [(35_446, 4, 1, 1, False), (35_446, 4, 1, 1, True), (1000, 8, 4, 2, False),
                                               (1000, 8, 4, 2, True), (10, 3, 2, 1, False), (97, 5, 3, 2, True)])
 def test_agrees_with_the_sampler(n, w, b, g, drop):
-    """The plan's figures are what eyas.train.sharding actually deals out, rank by rank (an independent implementation)."""
+    """The plan's figures are what eyas.train.sharding actually deals out, rank by rank (an independent
+    implementation)."""
     sharding = pytest.importorskip("eyas.train.sharding")
     import numpy as np
 

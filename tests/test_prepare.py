@@ -1,4 +1,5 @@
-"""eyas prepare: the prepared-dataset contract, checked against the tokenizer's own template and the documented rules."""
+"""eyas prepare: the prepared-dataset contract, checked against the tokenizer's own template and the documented
+rules."""
 
 import hashlib
 import json
@@ -8,12 +9,15 @@ import pytest
 
 from eyas.cli import main
 from eyas.core.errors import EyasError
-from eyas.data.prepare import PrepareConfig, load_prepared, read_summary, run
+from eyas.data.prepare import PrepareConfig, run
+from eyas.data.prepared import open_prepared, read_summary
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 CHATS = [
-    {"id": "chat-a", "messages": [SYSTEM, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
-                                  {"role": "user", "content": "Name a colour"}, {"role": "assistant", "content": "Blue"}]},
+    {"id": "chat-a", "messages": [SYSTEM, {"role": "user", "content": "Hi"},
+                                  {"role": "assistant", "content": "Hello."},
+                                  {"role": "user", "content": "Name a colour"},
+                                  {"role": "assistant", "content": "Blue"}]},
     {"id": "chat-b", "messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]},
     {"id": "chat-c", "messages": [{"role": "user", "content": "Capital of France?"},
                                   {"role": "assistant", "content": "Paris is the capital of France."}]},
@@ -29,12 +33,13 @@ def fast_target(tiny_target, monkeypatch):
 
 
 def write_lines(path, lines):
-    path.write_bytes(b"".join((l if isinstance(l, bytes) else json.dumps(l).encode()) + b"\n" for l in lines))
+    path.write_bytes(b"".join((line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n"
+                              for line in lines))
     return str(path)
 
 
 def rows(out, split):
-    return list(load_prepared(out, split))
+    return list(open_prepared(out, split).ds)
 
 
 def expected_split(sample_id, seed, fraction):  # the rule docs/prepare.md states, computed independently
@@ -70,13 +75,14 @@ def test_prepared_dataset_contract(fast_target, inputs, tmp_path):
     out = tmp_path / "prep"
     summary = run(PrepareConfig(target="tiny", data=inputs, out=str(out), validation=0.4, seed=3, quiet=True))
     got = {s: rows(out, s) for s in ("train", "validation")}
-    ds = load_prepared(out, "train")
+    ds = open_prepared(out, "train").ds
     assert {k: str(v) for k, v in ds.features.items()} == {
         "id": "Value('string')", "input_ids": "List(Value('int32'))", "loss_mask": "List(Value('int8'))",
         "num_tokens": "Value('int32')"}
     conversations = {c["id"]: c["messages"] for c in CHATS}
     conversations.update({f"math:{i + 1}": [{"role": "user", "content": m["question"]},
-                                             {"role": "assistant", "content": m["answer"]}] for i, m in enumerate(MATH)})
+                                             {"role": "assistant", "content": m["answer"]}]
+                          for i, m in enumerate(MATH)})
     conversations["math:9"] = [{"role": "user", "content": "What is 9 times 3?"}]
     conversations["81"] = [{"role": "user", "content": "Write a poem."}, {"role": "user", "content": "Shorter."}]
     seen = {}
@@ -183,4 +189,4 @@ def test_cli_and_validation(fast_target, inputs, tmp_path, capsys):
     with pytest.raises(EyasError):
         PrepareConfig(data=("a",), validation=1.0)
     with pytest.raises(EyasError, match="not a prepared dataset"):
-        load_prepared(tmp_path / "nowhere", "train")
+        open_prepared(tmp_path / "nowhere", "train")

@@ -1,4 +1,5 @@
-"""eyas regenerate: turn-by-turn answers, against a small OpenAI-compatible server of the test's own and the tiny target."""
+"""eyas regenerate: turn-by-turn answers, against a small OpenAI-compatible server of the test's own and the tiny
+target."""
 
 import json
 import os
@@ -154,7 +155,7 @@ def expected_records(path):
 
 
 def read_out(path):
-    return [json.loads(l) for l in Path(path).read_text(encoding="utf-8").splitlines()]
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines()]
 
 
 def cfg(data, out, url, **kw):
@@ -306,7 +307,8 @@ def local_tiny(tiny_target, monkeypatch):
 def greedy_reference(target, messages, max_new_tokens):
     """Greedy decoding by hand: argmax of the full forward, one token at a time."""
     tok = target.tokenizer
-    ids = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+    ids = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                       return_dict=True)["input_ids"])
     new = []
     with torch.no_grad():
         for _ in range(max_new_tokens):

@@ -2,9 +2,10 @@
 for missing files, highlighted sample generations, tolerance of damaged files, the CLI.
 
 The run folder is hand-written here (`make_run`) in the formats of the stages: eyas.pipeline.runner (stages/*.json,
-pipeline.json), eyas.data.prepare._summary (prepared/summary.json), eyas.store.writer.write_manifest (store/manifest.json),
-eyas.train.trainer and eyas.train.setup (train/metrics.jsonl, validation.jsonl, plan.json, audit.json, final/config.json),
-eyas.speculate.report.aggregate (evaluate/results.json) and eyas.draft.export.run (the export stage summaries).
+pipeline.json), eyas.data.prepare._summary (prepared/summary.json), eyas.store.writer.write_manifest
+(store/manifest.json), eyas.train.trainer and eyas.train.setup (train/metrics.jsonl, validation.jsonl, plan.json,
+audit.json, final/config.json), eyas.speculate.report.aggregate (evaluate/results.json) and eyas.draft.export.run (the
+export stage summaries).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def regenerate(run: Path, r: str) -> None:
         _marker(run, f"regenerate-{name}", "regenerate", {"target": "tiny", "out": out},
                 {"out": out, "data": [name], "backend": "local", "model": "tiny", "to_do": n, "done": n, "skipped": 0,
                  "failed": 0, "failures": {}, "input_issues": {}, "left_out": 2, "left_out_reasons": {},
-                 "not_started": 0, "stopped_early": "", "tokens": tokens, "tokens_per_s": 40.25, "replies_cut_at_max_new_tokens": 1, "elapsed_s": 20.2},
+                 "not_started": 0, "stopped_early": "", "tokens": tokens, "tokens_per_s": 40.25,
+                 "replies_cut_at_max_new_tokens": 1, "elapsed_s": 20.2},
                 20.9)
 
 

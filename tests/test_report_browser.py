@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from eyas.report.build import ReportConfig, run
-from test_report import make_run
+from tests.test_report import make_run
 
 NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

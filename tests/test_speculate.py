@@ -23,7 +23,7 @@ from eyas.speculate.drafters import (
     quantize_int8,
 )
 from eyas.speculate.runner import HFRunner, LeanRunner, attention_mask
-from speculate_helpers import random_prompts, trained_draft, untrained_draft
+from tests.speculate_helpers import random_prompts, trained_draft, untrained_draft
 
 NEW = 32
 

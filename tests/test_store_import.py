@@ -15,7 +15,7 @@ from eyas.store.extract import ExtractConfig
 from eyas.store.extract import run as extract
 from eyas.store.importers import StoreImportConfig, run, target_parts
 from eyas.store.reader import StoreReader
-from test_extract import LAYERS, prepared_rows, write_prepared
+from tests.test_extract import LAYERS, prepared_rows, write_prepared
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

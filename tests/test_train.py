@@ -12,12 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
 from eyas.core.errors import EyasError
 from eyas.draft.checkpoint import read_draft
 from eyas.store.reader import StoreReader
 from eyas.train.trainer import TrainConfig, run
-from train_fakes import write_store
+from tests.train_fakes import write_store
 
 ENTRY = str(Path(__file__).parent / "train_entry.py")
 SMALL = dict(target="tiny", threads=1, draft_vocab=512, ttt_steps=3)
@@ -191,13 +190,14 @@ def test_vocab_coverage_when_smaller_than_the_data(store, tmp_path):
     masked = np.concatenate([reader[i].input_ids[reader[i].loss_mask > 0].numpy() for i in range(len(reader))])
     _, counts = np.unique(masked, return_counts=True)
     top = np.sort(counts)[::-1][:64].sum() / counts.sum()  # by hand: the 64 most frequent ids' share
-    s = run(TrainConfig(quiet=True, store=str(store), out=str(tmp_path / "v"), max_steps=1, **{**SMALL, "draft_vocab": 64}))
+    s = run(TrainConfig(quiet=True, store=str(store), out=str(tmp_path / "v"), max_steps=1,
+                        **{**SMALL, "draft_vocab": 64}))
     assert abs(s["vocab_coverage"] - top) < 1e-12
 
 
 def test_validation_pass_and_max_steps(store, tmp_path):
-    s = run(TrainConfig(quiet=True, store=str(store), out=str(tmp_path / "val"), val_fraction=0.25, epochs=2, micro_batch=3,
-                        **SMALL))
+    s = run(TrainConfig(quiet=True, store=str(store), out=str(tmp_path / "val"), val_fraction=0.25, epochs=2,
+                        micro_batch=3, **SMALL))
     lines = [json.loads(x) for x in (tmp_path / "val" / "validation.jsonl").read_text().splitlines()]
     assert [v["epoch"] for v in lines] == [0, 1] and all(v["samples"] == 8 for v in lines)
     assert s["steps"] == 2 * 8  # 24 training samples / 3 per step
@@ -244,7 +244,8 @@ def test_a_missing_shard_stops_training_unless_its_samples_are_left_out_and_coun
 def test_refuses_to_overwrite_a_run(store, reference):
     out, _ = reference
     with pytest.raises(EyasError, match="already holds a training run"):
-        run(TrainConfig(quiet=True, store=str(store), out=str(out), micro_batch=2, grad_accum=2, dtype="fp32", lr=1e-2, **SMALL))
+        run(TrainConfig(quiet=True, store=str(store), out=str(out), micro_batch=2, grad_accum=2, dtype="fp32", lr=1e-2,
+                        **SMALL))
 
 
 def test_online_mode_matches_the_store(tiny_target, store, tmp_path):

@@ -29,9 +29,6 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-TESTS = REPO / "tests"
-if str(TESTS) not in sys.path:  # the trainer's store helpers (tests/train_fakes.py)
-    sys.path.insert(0, str(TESTS))
 
 
 # A small, exactly resumable training of the tiny target's draft (fp32, one thread, a checkpoint every 2 steps)
@@ -88,9 +85,10 @@ def env_one_thread(**extra: str) -> dict:
 # ---------------------------------------------------------------- forked stage runs
 
 # What a stage imports before it does any work (~5 s of CPU per process): imported once, in the forkserver
-PRELOAD = ["torch", "numpy", "datasets", "safetensors.torch", "transformers", "transformers.models.llama.modeling_llama",
-           "transformers.models.auto.tokenization_auto", "transformers.generation.utils", "eyas.cli", "eyas.store.extract",
-           "eyas.data.regenerate", "eyas.train.trainer", "eyas.train.setup", "eyas.train.data", "eyas.train.engine", "eyas.draft.model",
+PRELOAD = ["torch", "numpy", "datasets", "safetensors.torch", "transformers",
+           "transformers.models.llama.modeling_llama", "transformers.models.auto.tokenization_auto",
+           "transformers.generation.utils", "eyas.cli", "eyas.store.extract", "eyas.data.regenerate",
+           "eyas.train.trainer", "eyas.train.setup", "eyas.train.data", "eyas.train.engine", "eyas.draft.model",
            "eyas.core.target", "eyas.data.formats", "eyas.data.chat"]
 
 

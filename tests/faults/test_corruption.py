@@ -3,8 +3,9 @@ another dataset. Each must be detected and named (an EyasError naming the file, 
 traceback and never silently wrong data.
 
 Bit flips and cuts are tried at many places of each file: a seeded sample of header and data bytes in the fast
-subset; with --faults-full up to 3,000 header (or JSON) bytes and 1,000 data bytes per file, two bits each. Each trial reads everything back through the loader the trainer uses and
-compares with the pristine file's content: either the exact same content, or an EyasError naming the file.
+subset; with --faults-full up to 3,000 header (or JSON) bytes and 1,000 data bytes per file, two bits each. Each
+trial reads everything back through the loader the trainer uses and compares with the pristine file's content:
+either the exact same content, or an EyasError naming the file.
 """
 
 from __future__ import annotations
@@ -14,19 +15,17 @@ import os
 import random
 import shutil
 import struct
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1]))  # helpers of tests/
 from eyas.core.errors import EyasError
 from eyas.draft.checkpoint import read_draft
-from test_extract import write_prepared
-from test_model import small_draft
-from test_store import IDENTITY, build_store
-from test_store import samples as store_samples
+from tests.test_extract import write_prepared
+from tests.test_model import small_draft
+from tests.test_store import IDENTITY, build_store
+from tests.test_store import samples as store_samples
 
 HEADER_SAMPLE, DATA_SAMPLE = 96, 32  # bytes flipped per file in the fast subset
 FULL_HEADER_SAMPLE, FULL_DATA_SAMPLE = 3000, 1000  # with --faults-full (two bits each): every header byte of a

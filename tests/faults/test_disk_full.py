@@ -17,7 +17,11 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers_faults import (  # noqa: F401 (one_thread: an autouse fixture)
+
+from eyas.draft.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, read_draft
+from eyas.store.reader import StoreReader
+from eyas.store.shards import shard_index
+from tests.faults.helpers_faults import (  # noqa: F401 (one_thread: an autouse fixture)
     EXTRACT,
     TRAIN,
     Forked,
@@ -29,13 +33,9 @@ from helpers_faults import (  # noqa: F401 (one_thread: an autouse fixture)
     train_metrics,
     wait_for,
 )
-
-from eyas.draft.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, read_draft
-from eyas.store.reader import StoreReader
-from eyas.store.shards import shard_index
-from test_extract import write_prepared
-from test_train import argv
-from train_fakes import write_store
+from tests.test_extract import write_prepared
+from tests.test_train import argv
+from tests.train_fakes import write_store
 
 SEED = 4242
 
@@ -98,7 +98,10 @@ def test_extract_disk_full(extract_ref, tmp_path, when, tally):
     prepared, ref = extract_ref
     store, log = tmp_path / "store", tmp_path / "extract.log"
     args = ["extract", *argv({**extract_cfg(prepared, store), "quiet": True})]
-    shards = lambda: sorted((store / "shards").glob("shard-*.safetensors"))
+
+    def shards():
+        return sorted((store / "shards").glob("shard-*.safetensors"))
+
     # 4 KiB: room for the settings file (1 KiB), not for a shard (~20 KiB)
     proc = until_disk_full(args, log, 4096, when, lambda: len(shards()) >= 2)
     err = fails_clearly(proc, log, "shard-")

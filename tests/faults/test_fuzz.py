@@ -1,4 +1,5 @@
-"""Fuzzing the parsers of outside data: chat files (eyas.data.formats) and training logs (eyas.doctor.logformats, eyas doctor).
+"""Fuzzing the parsers of outside data: chat files (eyas.data.formats) and training logs (eyas.doctor.logformats,
+eyas doctor).
 
 Whatever the bytes (random, cut, nested 10,000 deep, lines of tens of MB, values of the wrong type), a parser
 answers (conversations and counted issues; a doctor report) or raises EyasError, and never hangs: every example

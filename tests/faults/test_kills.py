@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from helpers_faults import (  # noqa: F401 (one_thread: an autouse fixture)
+from eyas.draft.checkpoint import list_checkpoints
+from eyas.store.reader import StoreReader
+from tests.faults.helpers_faults import (  # noqa: F401 (one_thread: an autouse fixture)
     EXTRACT,
     TRAIN,
     Forked,
@@ -25,12 +27,9 @@ from helpers_faults import (  # noqa: F401 (one_thread: an autouse fixture)
     one_thread,
     tail,
 )
-
-from eyas.draft.checkpoint import list_checkpoints
-from eyas.store.reader import StoreReader
-from test_extract import write_prepared
-from test_train import argv
-from train_fakes import write_store
+from tests.test_extract import write_prepared
+from tests.test_train import argv
+from tests.train_fakes import write_store
 
 SEED = 20240611
 
@@ -85,7 +84,10 @@ def test_extract_survives_kills(tmp_path, faults_full, tally):
     ref = tmp_path / "ref"
     run(ExtractConfig(quiet=True, data=str(prepared), store=str(ref), **EXTRACT), target=target)
     store, log = tmp_path / "store", tmp_path / "extract.log"
-    shards = lambda: len(list((store / "shards").glob("shard-*.safetensors")))
+
+    def shards():
+        return len(list((store / "shards").glob("shard-*.safetensors")))
+
     args = ["extract", *argv({"data": prepared, "store": store, **EXTRACT, "quiet": True})]
     chain = kill_chain(lambda: Forked(args, log), shards, kills=kills_wanted(faults_full), seed=SEED + 1, log=log)
     assert manifest(store) == manifest(ref)  # every sample once, in the same shards, with the same checksums

@@ -19,7 +19,9 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers_faults import (
+
+from eyas.draft.checkpoint import latest_checkpoint
+from tests.faults.helpers_faults import (
     TRAIN,
     Forked,
     assert_same_training,
@@ -28,10 +30,8 @@ from helpers_faults import (
     tail,
     wait_for,
 )
-
-from eyas.draft.checkpoint import latest_checkpoint
-from test_train import argv, free_port
-from train_fakes import write_store
+from tests.test_train import argv, free_port
+from tests.train_fakes import write_store
 
 SEED = 777
 BOUND_S = 60  # a survivor must be gone this long after the death (the collective timeout is 600 s)

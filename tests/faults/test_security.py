@@ -26,12 +26,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).parents[1]))  # helpers of tests/
-from test_server_faults import FakeServer
-
 from eyas.core.errors import EyasError
 from eyas.draft.checkpoint import read_draft, save_draft
-from test_model import small_draft
+from tests.faults.test_server_faults import FakeServer
+from tests.test_model import small_draft
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "eyas"
 
@@ -183,7 +181,8 @@ def test_remote_code_runs_only_when_the_user_passes_it(tiny_target, tmp_path, mo
 
 # ---------------------------------------------------------------- (c) paths from index files stay in their folder
 
-@pytest.mark.parametrize("name", ["../outside.safetensors", "/ABS/outside.safetensors", "sub/../../outside.safetensors"])
+@pytest.mark.parametrize("name", ["../outside.safetensors", "/ABS/outside.safetensors",
+                                  "sub/../../outside.safetensors"])
 def test_weight_index_paths_cannot_leave_the_folder(tiny_target, tmp_path, name, tally):
     """A sharded checkpoint's model.safetensors.index.json names files; one outside the folder is refused."""
     from eyas.core.target import load_target

@@ -52,7 +52,7 @@ def run_eyas(eyas, *args: str) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-# -- the draft ----------------------------------------------------------------------------------------------------------
+# -- the draft ---------------------------------------------------------------------------------------------------------
 def _key(recipe: dict) -> str:
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:10]
 
@@ -86,8 +86,8 @@ def build_draft(eyas, server_url: str, root: Path, run: Path) -> Path:
     resume = ["--resume"] if (run / "checkpoints").is_dir() else []
     run_eyas(eyas, "train", "--store", str(root / "store"), "--target", "smollm2-135m", "--out", str(run),
              "--epochs", str(t["epochs"]), "--lr", str(t["lr"]), "--draft-vocab", str(t["draft_vocab"]),
-             "--ttt-steps", str(t["ttt_steps"]), "--micro-batch", str(t["micro_batch"]), "--max-tokens", str(t["max_tokens"]),
-             "--seed", str(t["seed"]),
+             "--ttt-steps", str(t["ttt_steps"]), "--micro-batch", str(t["micro_batch"]),
+             "--max-tokens", str(t["max_tokens"]), "--seed", str(t["seed"]),
              *resume)
     assert (final / "model.safetensors").is_file(), f"eyas train wrote no {final}"
     return final

@@ -17,13 +17,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import tomllib
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
 
 from eyas.core.errors import EyasError
+from eyas.core.files import read_toml
 
 
 def opt(default: Any, help: str, *, positional: bool = False, choices: tuple | None = None) -> Any:
@@ -70,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         meta = f.metadata
         default = f.default if f.default is not dataclasses.MISSING else None
         helptext = meta.get("help", "")
-        kwargs: dict[str, Any] = {"help": f"{helptext} (default: {default!r})" if not meta.get("positional") else helptext}
+        shown = helptext if meta.get("positional") else f"{helptext} (default: {default!r})"
+        kwargs: dict[str, Any] = {"help": shown}
         origin = typing.get_origin(tp)
         if tp is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
@@ -123,13 +124,7 @@ def from_namespace(cls: type, ns: argparse.Namespace) -> Any:
 
 def load_toml(path: str | Path) -> dict:
     """Read a TOML config file; errors name the file and line."""
-    p = Path(path)
-    if not p.is_file():
-        raise EyasError(f"config file {p} not found", fix="give the path of an existing .toml file")
-    try:
-        return tomllib.loads(p.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as e:
-        raise EyasError(f"{p}: invalid TOML: {e}", fix="fix the syntax at the line named") from None
+    return read_toml(path, fix="give the path of an existing .toml file")
 
 
 def check(condition: bool, what: str, fix: str) -> None:

@@ -45,7 +45,8 @@ def read_env() -> DistEnv:
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    return DistEnv(rank=rank, world_size=world, local_rank=local, local_world_size=local_world, device=pick_device("auto", local))
+    return DistEnv(rank=rank, world_size=world, local_rank=local, local_world_size=local_world,
+                   device=pick_device("auto", local))
 
 
 def pick_device(preference: str = "auto", local_rank: int = 0) -> str:

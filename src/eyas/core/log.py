@@ -6,10 +6,7 @@ Progress bars (tqdm) show rate and ETA on rank 0 only and are off when quiet.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-from pathlib import Path
 from typing import Iterable, TypeVar
 
 from tqdm import tqdm
@@ -77,16 +74,3 @@ def fmt_duration(seconds: float) -> str:
     if seconds < 5400:
         return f"{seconds / 60:.1f} min"
     return f"{seconds / 3600:.1f} h"
-
-
-def write_json(path, obj) -> None:
-    """Write JSON atomically (temp file + rename), so a crash never leaves half a file."""
-
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, p)

@@ -14,6 +14,7 @@ MADV_HUGEPAGE, EYAS_HUGEPAGES=0) they leave the tensors as they are.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 
@@ -72,3 +73,16 @@ def pack_module(module: torch.nn.Module) -> torch.nn.Module:
                 for t in ts:  # the same memory registered twice (a buffer that is also a parameter, ...)
                     t.data = packed
     return module
+
+
+def tune_allocator() -> None:
+    """Keep freed buffers inside the process (glibc): by default every buffer over 32 MiB goes back to the OS
+    when freed and is page-faulted in again by the next batch, which cost 10-25 % of the CPU time of a forward
+    pass on a 2-core machine (kernel time). Nothing happens on other C libraries."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+    libc.mallopt(m_mmap_threshold, 1 << 30)
+    libc.mallopt(m_trim_threshold, (1 << 31) - 1)

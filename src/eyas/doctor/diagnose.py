@@ -17,13 +17,13 @@ The modules, from the bytes up:
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
 from eyas.core.errors import EyasError
+from eyas.core.files import read_json
 from eyas.core.log import Console, fmt_duration, fmt_int
 from eyas.doctor.figures import cite, figures, latest
 from eyas.doctor.logformats import MAX_LINE, Fact, LogParser
@@ -222,11 +222,7 @@ def _run_folder_facts(folder: Path) -> list[Fact]:
         p = folder / name
         if not p.is_file():
             continue
-        try:
-            d = json.loads(p.read_text())
-        except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deeply to read
-            raise EyasError(f"{p}: unreadable JSON ({type(e).__name__}: {str(e)[:200]})",
-                            fix="delete it or re-run the trainer") from None
+        d = read_json(p, "delete it or re-run the trainer", expect=None)
         if not isinstance(d, dict):
             continue
         try:

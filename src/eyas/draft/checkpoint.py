@@ -30,7 +30,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from eyas.core.errors import EyasError, disk_full
-from eyas.core.log import write_json
+from eyas.core.files import read_json, write_json
 from eyas.draft.model import DraftConfig, Eagle3Draft
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"  # a draft folder: config and weights
@@ -80,10 +80,7 @@ def load_tensors(path: Path, fix: str) -> dict[str, torch.Tensor]:
 
 def read_checked_json(path: Path, fix: str) -> dict:
     """A JSON object, checked against its "checksum" (which is removed); EyasError naming the file otherwise."""
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as e:
-        raise EyasError(f"{path} is unreadable: {e}", "it was cut short or damaged after it was written", fix) from None
+    obj = read_json(path, fix, expect=None)
     want = obj.pop("checksum", None) if isinstance(obj, dict) else None
     if not isinstance(obj, dict) or (want is not None and want != json_digest(obj)):
         raise EyasError(f"{path} is damaged: its content differs from the checksum recorded when it was written",
@@ -234,7 +231,8 @@ def no_space(e: Exception, final: Path, last: Path | None) -> EyasError | None:
         return None
     return EyasError(f"cannot write checkpoint {final}: {why}",
                      "the run folder's disk is full (or a size limit or quota was hit); the partial checkpoint was "
-                     "removed, " + (f"{last.name} is the last complete one" if last else "no checkpoint is complete yet"),
+                     "removed, " + (f"{last.name} is the last complete one" if last
+                                    else "no checkpoint is complete yet"),
                      "free space on that disk (or lower --keep-checkpoints) and rerun the same command with --resume: "
                      "training continues from the last complete checkpoint")
 

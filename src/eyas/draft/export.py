@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import os
 import shutil
@@ -29,7 +28,8 @@ from safetensors.torch import load_file, save_file
 
 from eyas.core.config import StageConfig, check, opt
 from eyas.core.errors import EyasError
-from eyas.core.log import console, fmt_bytes, write_json
+from eyas.core.files import read_json, write_json
+from eyas.core.log import console, fmt_bytes
 from eyas.core.paths import inside
 from eyas.core.target import BUILTINS, resolve_source
 from eyas.draft.checkpoint import CONFIG_FILE, WEIGHTS_FILE
@@ -38,6 +38,7 @@ from eyas.draft.model import DraftConfig, Eagle3Draft
 FORMATS = ("eagle3", "speculators")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KEYS_FILE = Path(__file__).with_name("engine_keys.json")
+DRAFT_FIX = "point at a draft folder holding config.json and model.safetensors, or re-export it"
 _DTYPE_CHECK = {"float": torch.is_floating_point, "int64": lambda t: t.dtype == torch.int64,
                 "bool": lambda t: t.dtype == torch.bool}
 # Keys of foreign checkpoints that carry nothing the draft computes with (speculators' training-only copies).
@@ -50,7 +51,7 @@ VARIANT_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_outp
 @functools.cache
 def engine_spec() -> dict:
     """engine_keys.json: per format, the weights (shape, dtype, presence) and config fields the engines need."""
-    return json.loads(KEYS_FILE.read_text(encoding="utf-8"))
+    return read_json(KEYS_FILE, "reinstall eyas: its engine_keys.json is part of the package")
 
 
 def dims(dc: DraftConfig) -> dict[str, int]:
@@ -182,20 +183,12 @@ def speculators_config(dc: DraftConfig, dtype: str, verifier: tuple[str | None, 
 
 
 # -- reading and writing folders ---------------------------------------------------------------------------------
-def read_json(path: Path) -> dict:
-    if not path.is_file():
-        raise EyasError(f"{path} not found", fix="point at a draft folder holding config.json and model.safetensors")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise EyasError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}", fix="repair or re-export the file") from None
-
-
 def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     """model.safetensors, or the shards a model.safetensors.index.json lists. Pickles are refused."""
 
     index = folder / "model.safetensors.index.json"
-    files = sorted(set(read_json(index)["weight_map"].values()), key=str) if index.is_file() else [WEIGHTS_FILE]
+    files = (sorted(set(read_json(index, DRAFT_FIX)["weight_map"].values()), key=str) if index.is_file()
+             else [WEIGHTS_FILE])
     for name in files:
         inside(folder, name, index)
     if not (folder / files[0]).is_file():
@@ -245,7 +238,7 @@ def staging(out: Path, overwrite: bool) -> Path:
 
 def read_checkpoint(folder: Path) -> tuple[dict, DraftConfig, dict[str, torch.Tensor]]:
     """(config.json, DraftConfig, weights) of an eyas checkpoint, checked against Eagle3Draft's own state dict."""
-    meta = read_json(folder / CONFIG_FILE)
+    meta = read_json(folder / CONFIG_FILE, DRAFT_FIX)
     if "eyas_draft" not in meta:
         raise EyasError(f"{folder / CONFIG_FILE} has no 'eyas_draft' section", "it is not an eyas draft checkpoint",
                         "export a training output's final/ folder, or `eyas import` a foreign draft first")
@@ -298,7 +291,7 @@ def resolve_verifier(spec: str, identity: dict) -> tuple[str | None, list[str]]:
         _, folder = resolve_source(spec)
     except EyasError:
         return spec, arch  # a hub id: written verbatim
-    return str(folder.resolve()), read_json(folder / "config.json").get("architectures") or arch
+    return str(folder.resolve()), read_json(folder / "config.json", DRAFT_FIX).get("architectures") or arch
 
 
 def run(cfg: ExportConfig) -> dict:
@@ -391,9 +384,11 @@ Written by `eyas export --format {fmt}`. Every key, shape and config field follo
 ## Draft
 | field | value |
 |---|---|
-| layers | {dc.num_layers} (hidden {dc.hidden_size}, {dc.num_attention_heads} heads, {dc.num_key_value_heads} KV heads, head dim {dc.head_dim}, MLP {dc.intermediate_size}) |
+| layers | {dc.num_layers} (hidden {dc.hidden_size}, {dc.num_attention_heads} heads, {dc.num_key_value_heads} \
+KV heads, head dim {dc.head_dim}, MLP {dc.intermediate_size}) |
 | vocabulary | {dc.draft_vocab_size:,} draft tokens of {dc.vocab_size:,} (target id = draft id + d2t[draft id]) |
-| target features | HF hidden_states {hf} = vLLM/speculators `eagle_aux_hidden_state_layer_ids` {hf} = SGLang `eagle_config` ids {[i - 1 for i in hf]} |
+| target features | HF hidden_states {hf} = vLLM/speculators `eagle_aux_hidden_state_layer_ids` {hf} = \
+SGLang `eagle_config` ids {[i - 1 for i in hf]} |
 
 ## Data
 {_table(_scalars(data) if isinstance(data, dict) else ([("data", data)] if data else []), "not recorded")}

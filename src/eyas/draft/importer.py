@@ -11,16 +11,17 @@ import torch
 
 from eyas.core.config import StageConfig, check, opt
 from eyas.core.errors import EyasError
+from eyas.core.files import read_json
 from eyas.core.log import console
 from eyas.core.target import default_feature_layers, load_target
 from eyas.draft.checkpoint import CONFIG_FILE, save_draft
 from eyas.draft.export import (
+    DRAFT_FIX,
     IGNORED_KEYS,
     VARIANT_FLAGS,
     check_weights,
     dims,
     publish,
-    read_json,
     read_safetensors,
     refuse_existing,
     staging,
@@ -65,7 +66,8 @@ def detect_format(raw: dict, where: Path) -> str:
 
 
 def normalise_keys(tensors: dict[str, torch.Tensor], where: Path) -> dict[str, torch.Tensor]:
-    """Foreign names -> eyas names: `model.` prefixes dropped, `layers.0.` -> `midlayer.`, training-only keys dropped."""
+    """Foreign names -> eyas names: `model.` prefixes dropped, `layers.0.` -> `midlayer.`, training-only keys
+    dropped."""
     out = {}
     for key, t in tensors.items():
         if key in IGNORED_KEYS or key.endswith("rotary_emb.inv_freq"):
@@ -154,7 +156,7 @@ def complete(t: dict[str, torch.Tensor], dc: DraftConfig, target, where: Path) -
 def run_import(cfg: ImportConfig) -> dict:
     con = console(0, cfg.quiet, cfg.json)
     src, out = Path(cfg.source), cfg.out_dir()
-    raw = read_json(src / CONFIG_FILE)
+    raw = read_json(src / CONFIG_FILE, DRAFT_FIX)
     fmt = detect_format(raw, src)
     layer = raw["transformer_layer_config"] if fmt == "speculators" else raw
     tensors = normalise_keys(read_safetensors(src), src)

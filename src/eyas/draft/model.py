@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft model, in pure PyTorch (no ranks, no I/O beyond save/load of its own folder).
+"""The EAGLE-3 draft model, in pure PyTorch (no ranks, no I/O: its folder is eyas.draft.checkpoint's).
 
     aux [B,T,3Ht] --fc--> g [B,T,H]          (target's low|mid|high features fused; first step only)
     e = embed(token) [B,T,H]                  (frozen target embeddings)
@@ -176,6 +176,47 @@ def attend(q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
+class KVCache:
+    """The draft's keys and values of earlier positions: per layer a buffer [B, nkv, capacity, d], written in place.
+
+    A forward over T new positions writes them at slots S..S+T-1 (S = `length`) and returns a cache of length S+T
+    over the same buffers, while the cache it was given keeps length S: positions a speculative pass wrote past a
+    committed cache (rejected tokens) are overwritten by the next pass. Nothing is copied per call; a buffer grows
+    (doubling, the `length` positions copied) only when S+T exceeds its capacity."""
+
+    MIN_CAPACITY = 256
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], length: int):
+        self.keys, self.values, self.length = keys, values, length
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    @classmethod
+    def holding(cls, cache: KVCache | None, layers: int, like: torch.Tensor, n: int) -> KVCache:
+        """`cache` if its buffers hold n positions, else a cache with larger buffers shaped like `like` [B,nkv,T,d]
+        (its first `cache.length` positions copied)."""
+        if cache is not None and n <= cache.capacity:
+            return cache
+        B, nkv, _, d = like.shape
+        cap = max(cls.MIN_CAPACITY, 2 * n)
+        keys = [like.new_empty(B, nkv, cap, d) for _ in range(layers)]
+        values = [like.new_empty(B, nkv, cap, d) for _ in range(layers)]
+        length = cache.length if cache is not None else 0
+        if length:
+            for dst, src in zip(keys + values, cache.keys + cache.values):
+                dst[:, :, :length] = src[:, :, :length]
+        return cls(keys, values, length)
+
+    def write(self, layer: int, at: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Put k, v [B,nkv,T,d] at slots at..at+T-1 of `layer`; -> its keys and values of slots 0..at+T-1."""
+        end = at + k.shape[2]
+        self.keys[layer][:, :, at:end] = k
+        self.values[layer][:, :, at:end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+
 class Eagle3Draft(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
@@ -191,7 +232,7 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))  # target = d + d2t[d]
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))  # in the draft vocabulary?
 
-    # -- pieces, shared by training-time test (eyas.draft.ttt) and inference (eyas.speculate.decode) ----------------------
+    # -- pieces, shared by training-time test (eyas.draft.ttt) and inference (eyas.speculate.decode) ------------
     def all_layers(self) -> list[DraftLayer]:
         return [self.midlayer, *self.layers]
 
@@ -215,31 +256,28 @@ class Eagle3Draft(nn.Module):
 
     # -- inference: one call over T new tokens with a KV cache -------------------------------------------------
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-                cache: list | None = None, mask: torch.Tensor | None = None):
+                cache: KVCache | None = None, mask: torch.Tensor | None = None):
         """One draft pass over T new positions.
 
         input_ids [B,T] tokens whose embeddings pair with `hidden`; hidden [B,T,3Ht] (target features, fused
-        here by fc) or [B,T,H] (the draft's own previous output); position_ids [B,T]; cache: per layer (k, v)
-        [B,nkv,S,d] of earlier positions, or None; mask bool [B|1,1,T,S+T] (True = may attend), default: all of
-        the cache plus causal among the new positions. Returns (h [B,T,H] pre-norm output, new cache).
+        here by fc) or [B,T,H] (the draft's own previous output); position_ids [B,T]; cache: the keys and values
+        of S earlier positions, or None; mask bool [B|1,1,T,S+T] (True = may attend), default: all of the cache
+        plus causal among the new positions. Returns (h [B,T,H] pre-norm output, the cache of S+T positions).
+        The new positions are written in place into the cache's buffers; `cache` itself still holds S.
         """
         if hidden.shape[-1] == 3 * self.cfg.target_hidden_size:  # target features: fuse (3Ht != H always)
             hidden = self.fuse(hidden)
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rope(position_ids, hidden.dtype)
-        cache = cache or [None] * len(self.all_layers())
-        T = input_ids.shape[1]
+        S, T = (cache.length if cache is not None else 0), input_ids.shape[1]
         if mask is None:
-            S = 0 if cache[0] is None else cache[0][0].shape[2]
             mask = torch.ones(T, S + T, dtype=torch.bool, device=hidden.device).tril(S)[None, None]
-        new_cache = []
-        for layer, kv in zip(self.all_layers(), cache):
+        for i, layer in enumerate(self.all_layers()):
             q, k, v, residual = layer.qkv(hidden, embeds, cos, sin)
-            if kv is not None:
-                k, v = torch.cat((kv[0], k), dim=2), torch.cat((kv[1], v), dim=2)
-            new_cache.append((k, v))
+            cache = KVCache.holding(cache, len(self.all_layers()), k, S + T)
+            k, v = cache.write(i, S, k, v)  # [B,nkv,S+T,d] views of the buffers
             hidden = layer.finish(attend(q, k, v, mask), residual)
-        return hidden, new_cache
+        return hidden, KVCache(cache.keys, cache.values, S + T)
 
     # -- initialisation and persistence ----------------------------------------------------------------------
     @torch.no_grad()

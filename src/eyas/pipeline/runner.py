@@ -21,7 +21,8 @@ from pathlib import Path
 
 from eyas.core.config import from_mapping, to_argv
 from eyas.core.errors import EyasError
-from eyas.core.log import Console, fmt_duration, write_json
+from eyas.core.files import read_json, write_json
+from eyas.core.log import Console, fmt_duration
 from eyas.pipeline.commands import load_stage
 from eyas.store.extract import SUMMARY_FILE as EXTRACT_SUMMARY
 from eyas.train.trainer import SUMMARY_FILE as TRAIN_SUMMARY
@@ -70,7 +71,8 @@ def _finished(marker: Path, done: dict | None = None) -> float:
     "finished" was kept: the file's time; 0 when it never finished)."""
     if not marker.exists():
         return 0.0
-    return (done if done is not None else json.loads(marker.read_text())).get("finished") or marker.stat().st_mtime
+    done = done if done is not None else read_json(marker, f"remove {marker} to run its stage again")
+    return done.get("finished") or marker.stat().st_mtime
 
 
 def _summary_file(stage: Stage, cfg) -> Path:
@@ -100,7 +102,7 @@ def _launch_torchrun(stage: Stage, cfg, log_path: Path, con: Console) -> dict:
     if proc.returncode != 0 or not summary_path.is_file():
         raise EyasError(f"stage {stage.name} failed under torchrun (exit {proc.returncode})",
                         f"see the log {log_path}", "fix the error shown there and rerun: completed stages are kept")
-    return json.loads(summary_path.read_text(encoding="utf-8"))
+    return read_json(summary_path, f"see the log {log_path}, and rerun the stage")
 
 
 def run_stage(stage: Stage, run_dir: Path, con: Console, force: bool = False, upstream: tuple[Stage, ...] = ()) -> dict:
@@ -109,7 +111,7 @@ def run_stage(stage: Stage, run_dir: Path, con: Console, force: bool = False, up
 
     marker = run_dir / "stages" / f"{stage.name}.json"
     key = settings_key(stage)
-    done = json.loads(marker.read_text()) if marker.exists() else None
+    done = read_json(marker, f"remove {marker} to run the stage again") if marker.exists() else None
     same = bool(done) and done.get("key") == key
     mine = _finished(marker, done) if same else 0.0
     newer = [u.name for u in upstream if same and _finished(run_dir / "stages" / f"{u.name}.json") > mine]
@@ -121,7 +123,7 @@ def run_stage(stage: Stage, run_dir: Path, con: Console, force: bool = False, up
         con.print(f"[{stage.name}] its input changed: {', '.join(newer)} finished after it; running it again")
     # a run that began and did not finish; not *.json, which name finished stages
     started = run_dir / "stages" / f"{stage.name}.started"
-    began = json.loads(started.read_text()) if started.exists() else None
+    began = read_json(started, f"remove {started} to run the stage again") if started.exists() else None
     if force or done or (began and began.get("key") != key):
         # redo, or begun or finished with other settings: what it left cannot be resumed under these
         _clear(stage, run_dir, con, "--force" if force else "input changed" if newer else "settings changed")

@@ -8,6 +8,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+from eyas.core.errors import EyasError
+from eyas.core.files import read_json
 from eyas.report.plots import nbytes, num, pct, seconds
 
 
@@ -118,9 +120,9 @@ class RunFiles:
         data = None
         if path.is_file():
             try:
-                data = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-                self.problems.append(f"{path}: unreadable ({e}); its figures are left out")
+                data = read_json(path, "rerun the stage that wrote it", expect=None)
+            except EyasError as e:
+                self.problems.append(f"{e.what}; its figures are left out")
         return Doc(data, self.name(path))
 
     def jsonl(self, path: Path) -> Doc:

@@ -141,8 +141,8 @@ def _regenerated(f: RunFiles) -> str:
         lines = num(f.line_count(path), f"{f.name(path)}#lines") if path else "–"
         s = lambda k, fmt=",.0f": m.num("summary", k, fmt=fmt)  # noqa: E731
         rows.append([f"<code>{esc(name)}</code>", lines, s("done"),
-                     s("failed"), s("left_out"), s("tokens"), s("tokens_per_s", ",.1f"), s("replies_cut_at_max_new_tokens"),
-                     m.seconds("summary", "elapsed_s")])
+                     s("failed"), s("left_out"), s("tokens"), s("tokens_per_s", ",.1f"),
+                     s("replies_cut_at_max_new_tokens"), m.seconds("summary", "elapsed_s")])
     if not rows:  # no markers: the files alone
         rows = [[f"<code>{esc(p.name)}</code>", num(f.line_count(p), f"{f.name(p)}#lines")] + ["–"] * 7
                 for p in sorted((f.root / "regenerated").glob("*.jsonl"))]

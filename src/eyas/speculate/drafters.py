@@ -10,8 +10,9 @@ Every drafter has the same interface:
 EAGLE-3 at inference, as vLLM runs it (docs/export.md, facts 3 and 4): the draft at position p reads (target
 features of p, embedding of token p+1) with rotary position p; its output there predicts token p+2; step k of a
 chain feeds its own pre-norm output back with the embedding of the token it just drafted, at position p+k.
-The draft's own cache holds only positions whose target features are known (committed); the speculative
-entries of a round live in a copy that is dropped after the round, so rejected tokens leave no trace.
+The draft's own cache (eyas.draft.model.KVCache, preallocated and written in place) holds only positions whose
+target features are known (committed); a round's speculative entries are written past the committed length
+and overwritten by the next round, so rejected tokens leave no trace and nothing is copied.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def quantize_int8(draft):
 
 
 class Eagle3Drafter(Drafter):
-    """An `eyas.draft.model.Eagle3Draft` fed by the target's features; chain of k, or a dynamic tree when `tree` is set."""
+    """An `eyas.draft.model.Eagle3Draft` fed by the target's features; chain of k, or a dynamic tree when `tree` is
+    set."""
 
     def __init__(self, draft, k: int = 5, tree: TreeShape | None = None, name: str = "eagle3"):
         super().__init__(tree.depth if tree else k)
@@ -99,7 +101,7 @@ class Eagle3Drafter(Drafter):
         self.start([], None)
 
     def start(self, seq, feats) -> None:
-        self.cache = None  # per layer (k, v) [1,nkv,done,d] of committed positions
+        self.cache = None  # the KVCache of the committed positions (length done)
         self.done = 0  # positions the committed cache holds
         self.pending = [] if feats is None else [feats]  # target features not yet fed to the draft
         self.ready = self._catch_up(seq) if feats is not None else None  # the draft's prefill, timed with the prompt

@@ -51,7 +51,8 @@ REPORT_QS = (1, 4, 8, 16, 32)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalConfig(StageConfig):
     target: str = opt("smollm2-135m", "target: a built-in name, a Hugging Face folder or a .gguf file")
-    draft: str = opt("", "draft checkpoint folder (eyas train's final/); 'untrained' = freshly initialised (timing only)")
+    draft: str = opt("", "draft checkpoint folder (eyas train's final/); 'untrained' = freshly initialised "
+                     "(timing only)")
     bench: str = opt("mt_bench", "mt_bench, gsm8k, or a JSONL file of prompts (turns|prompt|question|messages)")
     out: str = opt("runs/eval", "output folder: results.json, report.md, plots")
     chain: tuple[int, ...] = opt((3, 5, 7), "chain lengths to run (draft tokens per round; the most with --adaptive)")
@@ -59,31 +60,37 @@ class EvalConfig(StageConfig):
     tree_topk: int = opt(4, "tree: children per expanded node and nodes expanded per depth")
     tree_depth: int = opt(5, "tree: deepest draft position")
     tree_size: int = opt(16, "tree: candidate tokens verified per round")
-    adaptive: bool = opt(True, "size each round's draft from measured costs and acceptance; plain steps when drafting does not pay")
+    adaptive: bool = opt(True, "size each round's draft from measured costs and acceptance; plain steps when "
+                         "drafting does not pay")
     temperature: float = opt(0.0, "sampling temperature (0 = greedy, checked for losslessness)")
     max_new_tokens: int = opt(128, "tokens generated per turn at most")
     num_prompts: int = opt(10, "prompts to run (0 = all)")
     per_category: int = opt(0, "at most N prompts of each category, in file order (0 = no limit); MT-Bench lists its "
                             "categories one after another, so --per-category 2 samples all eight")
-    baselines: tuple[str, ...] = opt(("prompt-lookup",), "other drafters: prompt-lookup, oracle, or a draft checkpoint folder")
+    baselines: tuple[str, ...] = opt(("prompt-lookup",),
+                                     "other drafters: prompt-lookup, oracle, or a draft checkpoint folder")
     lookup_k: int = opt(7, "prompt lookup: tokens proposed per round")
     hf_generate: bool = opt(True, "also time transformers' generate; the faster plain decoder is the baseline")
     dtype: str = opt("bfloat16", "target and draft dtype", choices=("bfloat16", "float32", "float16"))
     device: str = opt("", "cpu, cuda, cuda:N; empty = cuda when available, else cpu")
     threads: int = opt(0, "CPU threads for torch (0 = torch's default)")
     draft_quant: str = opt("auto", "int8: weight-only int8 draft linears (2x faster draft steps on CPU; proposals may "
-                           "shift slightly, outputs stay exact); auto = int8 on CPU in bf16", choices=("auto", "int8", "none"))
-    runner: str = opt("auto", "target forward: lean (Llama family), hf (any model), auto", choices=("auto", "lean", "hf"))
+                           "shift slightly, outputs stay exact); auto = int8 on CPU in bf16",
+                           choices=("auto", "int8", "none"))
+    runner: str = opt("auto", "target forward: lean (Llama family), hf (any model), auto",
+                      choices=("auto", "lean", "hf"))
     latency_prefix: int = opt(300, "prefix length for the latency table t(q)")
     seed: int = opt(0, "seed of sampling at temperature > 0")
-    repeats: int = opt(1, "decode every turn this many times per method and keep the fastest (steadier on a busy machine)")
+    repeats: int = opt(1, "decode every turn this many times per method and keep the fastest (steadier on a busy "
+                       "machine)")
 
     def __post_init__(self):
         check(all(k >= 1 for k in self.chain), f"chain lengths {self.chain} must be >= 1", "use e.g. --chain 3 5 7")
         check(self.chain or self.tree, "nothing to evaluate: no chain length and --no-tree", "give --chain or --tree")
         check(self.tree_topk >= 1 and self.tree_depth >= 1, f"tree top-k {self.tree_topk} and depth {self.tree_depth}"
               " must be >= 1", "use e.g. --tree-topk 4 --tree-depth 5")
-        check(self.tree_size >= self.tree_depth, f"tree size {self.tree_size} is below the tree depth {self.tree_depth}",
+        check(self.tree_size >= self.tree_depth,
+              f"tree size {self.tree_size} is below the tree depth {self.tree_depth}",
               "verify at least one token per depth: --tree-size >= --tree-depth")
         check(self.temperature >= 0, f"temperature {self.temperature} is negative", "use 0 (greedy) or more")
         check(self.max_new_tokens >= 1, f"max new tokens {self.max_new_tokens} must be >= 1", "use e.g. 128")
@@ -109,7 +116,8 @@ def _jsonl(path: Path):
                 try:
                     yield line_no, json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise EyasError(f"{path}:{line_no}: not valid JSON ({e.msg})", fix="fix or remove that line") from None
+                    raise EyasError(f"{path}:{line_no}: not valid JSON ({e.msg})",
+                                    fix="fix or remove that line") from None
 
 
 def _turns(rec: dict, where: str) -> list[str]:
@@ -118,7 +126,8 @@ def _turns(rec: dict, where: str) -> list[str]:
     elif isinstance(rec.get("messages"), list):
         turns = [m.get("content", "") for m in rec["messages"] if isinstance(m, dict) and m.get("role") == "user"]
     else:
-        turns = [next((rec[k] for k in ("prompt", "question", "instruction", "text") if isinstance(rec.get(k), str)), None)]
+        turns = [next((rec[k] for k in ("prompt", "question", "instruction", "text") if isinstance(rec.get(k), str)),
+                      None)]
     if not turns or not all(isinstance(t, str) and t.strip() for t in turns):
         raise EyasError(f"{where}: no prompt found", "a line needs turns (list of str), prompt, question, instruction, "
                         "text, or messages with user turns", "fix the line or point --bench at another file")
@@ -133,7 +142,8 @@ def load_bench(bench: str, num_prompts: int = 0, per_category: int = 0) -> list[
     if bench in named:
         root = shared_data_dir()
         if root is None or not (root / named[bench]).is_file():
-            raise EyasError(f"benchmark {bench!r} not found", f"no {named[bench]} under the shared data folder ({root})",
+            raise EyasError(f"benchmark {bench!r} not found",
+                            f"no {named[bench]} under the shared data folder ({root})",
                             "set EYAS_SHARED_DATA to the folder holding mt_bench/ and gsm8k/, or pass a JSONL file")
         path = root / named[bench]
     else:
@@ -239,7 +249,7 @@ def hf_generate(target, prompt: list[int], max_new: int, temperature: float, sto
     return out[0, len(prompt):].tolist(), (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
 
 
-# -- the run ------------------------------------------------------------------------------------------------------------
+# -- the run -----------------------------------------------------------------------------------------------------------
 def run(cfg: EvalConfig) -> dict:
     con = console(0, cfg.quiet, cfg.json)
     if cfg.threads:
@@ -345,7 +355,8 @@ def _decode_all(con, cfg, runner, target, renderer, methods, items, stop) -> lis
                 records.append({**key, "method": m.name, "tokens": g.tokens, "decode_s": g.decode_s,
                                 "prefill_s": g.prefill_s, "rounds": [dataclasses.asdict(r) for r in g.rounds],
                                 "prompt": prompt, "reference": base.tokens,
-                                "divergence": first_divergence(base.tokens, g.tokens) if cfg.temperature == 0 else None})
+                                "divergence": (first_divergence(base.tokens, g.tokens) if cfg.temperature == 0
+                                               else None)})
             # the next turn follows the target's own answer (plain decoding's)
             answer = renderer.clean_reply(target.tokenizer.decode(base.tokens, skip_special_tokens=True))
             messages.append({"role": "assistant", "content": answer})

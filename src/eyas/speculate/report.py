@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eyas.core.log import write_json
+from eyas.core.files import write_json
 from eyas.speculate.decode import acceptance_stats
 
 
@@ -93,7 +93,8 @@ def aggregate(cfg, target, draft, runner, items, methods, records, latency) -> d
     for m in methods:
         fig = method_figures(by(m.name), base["tokens_per_s"], latency)
         e2e = [r for r in by(m.name)]
-        e2e_plain = sum(len(r["tokens"]) for r in by("plain")) / sum(r["decode_s"] + r["prefill_s"] for r in by("plain"))
+        e2e_plain = (sum(len(r["tokens"]) for r in by("plain"))
+                     / sum(r["decode_s"] + r["prefill_s"] for r in by("plain")))
         e2e_m = sum(len(r["tokens"]) for r in e2e) / sum(r["decode_s"] + r["prefill_s"] for r in e2e)
         per_cat = {}
         for c in cats:
@@ -132,10 +133,11 @@ def _fmt(x, spec=".2f") -> str:
 
 def summary_lines(res: dict) -> list[str]:
     b = res["baseline"]
-    lines = [f"latency t(q) ms: " + ", ".join(f"t({q})={v:.1f}" for q, v in res["latency_ms"].items()
+    lines = ["latency t(q) ms: " + ", ".join(f"t({q})={v:.1f}" for q, v in res["latency_ms"].items()
                                              if int(q) in (1, 4, 8, 16, 32)),
              f"baseline: eyas greedy {_fmt(b['eyas_greedy']['tokens_per_s'], '.1f')} tok/s"
-             + (f", transformers generate {_fmt(b['hf_generate']['tokens_per_s'], '.1f')} tok/s" if "hf_generate" in b else "")
+             + (f", transformers generate {_fmt(b['hf_generate']['tokens_per_s'], '.1f')} tok/s"
+                if "hf_generate" in b else "")
              + f" -> baseline {b['chosen']} {_fmt(b['tokens_per_s'], '.1f')} tok/s",
              f"{'config':<30} {'tau':>5} {'tok/s':>7} {'speedup':>7} {'pred.':>6} {'eff.':>5} {'ovh.':>5}  lossless  "
              "accept rate by position"]
@@ -150,7 +152,8 @@ def summary_lines(res: dict) -> list[str]:
         if ll.get("first_divergence"):
             d = ll["first_divergence"]
             lines.append(f"   first divergence: prompt {d['id']} turn {d['turn']} token {d['index']}: expected "
-                         f"{d['expected_text']!r} got {d['got_text']!r} (target top-2 margin {_fmt(d['target_margin'], '.3f')})")
+                         f"{d['expected_text']!r} got {d['got_text']!r} "
+                         f"(target top-2 margin {_fmt(d['target_margin'], '.3f')})")
     return lines
 
 
@@ -172,7 +175,8 @@ def _plots(res: dict, out: Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(max(7, len(cats)), 4))
     width = 0.8 / max(len(res["configs"]), 1)
     for j, c in enumerate(res["configs"]):
-        ax.bar(np.arange(len(cats)) + j * width, [c["per_category"][k]["tau"] or 0 for k in cats], width, label=c["name"])
+        ax.bar(np.arange(len(cats)) + j * width, [c["per_category"][k]["tau"] or 0 for k in cats], width,
+               label=c["name"])
     ax.set_xticks(np.arange(len(cats)) + 0.4 - width / 2, cats, rotation=30, fontsize=8)
     ax.set(ylabel="tau (tokens per round)", title="tau per category")
     ax.legend(fontsize=7)
@@ -205,13 +209,15 @@ def _markdown(res: dict) -> str:
     s, t = res["settings"], res["target"]
     lines = [f"# eyas evaluate: {res['bench']['name']}", "",
              f"Target {t['name']} ({t['dtype']}, {t['device']}, {res['threads']} threads, runner {t['runner']}); "
-             f"draft `{res['draft']['path']}` (linears {res['draft'].get('quant', 'none')}); {res['bench']['prompts']} prompts, {res['bench']['turns']} turns; "
+             f"draft `{res['draft']['path']}` (linears {res['draft'].get('quant', 'none')}); "
+             f"{res['bench']['prompts']} prompts, {res['bench']['turns']} turns; "
              f"temperature {s['temperature']}, at most {s['max_new_tokens']} new tokens; adaptive {s['adaptive']}.", "",
              "```", *summary_lines(res), "```", "",
              "tau: tokens per target verification round, bonus included. Speedup: decode tokens/s over the faster of "
              "eyas's greedy loop and transformers' generate. Predicted: sum (a+1) t(1) / sum (t(q) + draft time) from "
              "the measured latencies; efficiency = measured / predicted; overhead = share of decode time outside the "
-             "target and draft forwards.", "", "## Latency of the target", "", "| q | t(q) ms | t(q)/t(1) |", "|---|---|---|"]
+             "target and draft forwards.", "", "## Latency of the target", "", "| q | t(q) ms | t(q)/t(1) |",
+             "|---|---|---|"]
     t1 = res["latency_ms"]["1"]
     lines += [f"| {q} | {v:.1f} | {v / t1:.2f} |" for q, v in res["latency_ms"].items()]
     lines += ["", "## Per category", "", "| config | category | turns | tau | speedup |", "|---|---|---|---|---|"]

@@ -121,7 +121,8 @@ class LeanRunner(TargetRunner):
     def __init__(self, target, feature_layers, capacity: int = 2048):
         super().__init__(target, feature_layers)
         cfg = target.text_config
-        self.nh, self.nkv = int(cfg.num_attention_heads), int(getattr(cfg, "num_key_value_heads", cfg.num_attention_heads))
+        self.nh, self.nkv = (int(cfg.num_attention_heads),
+                             int(getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)))
         self.hd = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.nh)
         self.layers = list(target.decoder_layers())
         # fused weights: [q|k|v] and [gate|up], one matmul each instead of three and two (copies; ~60% of the weights)

@@ -9,8 +9,7 @@ import numpy as np
 from eyas.core.config import StageConfig, check, opt
 from eyas.core.errors import EyasError
 from eyas.core.log import console, fmt_bytes, fmt_int
-from eyas.store.extract import open_prepared
-from eyas.store.reader import StoreReader
+from eyas.store.reader import StoreReader, check_tokens
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -68,23 +67,6 @@ def run_info(cfg: StoreInfoConfig) -> dict:
     ]))
     con.summary(f"store info: {fmt_int(d['samples'])} samples, {fmt_int(d['tokens'])} tokens, {fmt_bytes(d['bytes'])}")
     return d
-
-
-def check_tokens(reader: StoreReader, data: str, split: str) -> list[str]:
-    """Samples whose stored token ids differ from their prepared row (named by shard and id)."""
-
-    ds, _ = open_prepared(data, split)
-    ds = ds.select_columns(["id", "input_ids"])
-    problems = []
-    for i, s in enumerate(reader.samples):
-        if s["row"] >= len(ds):
-            problems.append(f"shard {s['shard']}: sample {s['id']} is row {s['row']}, {data} has {len(ds)} rows")
-            continue
-        row = ds[s["row"]]
-        if row["id"] != s["id"] or row["input_ids"] != reader[i].input_ids.tolist():
-            problems.append(f"shard {s['shard']}: sample {s['id']} (row {s['row']}) has other token ids than "
-                            f"{data} [{split}] row {s['row']} (id {row['id']})")
-    return problems
 
 
 def run_verify(cfg: StoreVerifyConfig) -> dict:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import queue
 import shutil
 import threading
@@ -34,8 +33,11 @@ import torch
 from eyas.core import dist
 from eyas.core.config import StageConfig, check, opt
 from eyas.core.errors import EyasError, disk_full
-from eyas.core.log import console, fmt_bytes, fmt_duration, fmt_int, write_json
+from eyas.core.files import read_json, write_json
+from eyas.core.log import console, fmt_bytes, fmt_duration, fmt_int
+from eyas.core.memory import tune_allocator
 from eyas.core.target import DEFAULT_TARGET, load_target
+from eyas.data.prepared import open_prepared
 from eyas.store.layout import SHARD_DIR, bytes_per_token, shard_name
 from eyas.store.shards import shard_index
 from eyas.store.writer import ShardBuilder, check_coverage, write_manifest
@@ -116,24 +118,6 @@ def plan_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
 
 
 # ---------------------------------------------------------------- data and target
-
-def open_prepared(folder: str, split: str):
-    """(dataset, fingerprint) of a prepared dataset split (docs/architecture.md, "Prepared dataset")."""
-
-    import datasets  # heavy (pyarrow): loaded only where a dataset is read or written
-
-    root = Path(folder)
-    if not (root / split / "state.json").is_file():
-        raise EyasError(f"{root / split} is not a prepared dataset split",
-                        fix=f"run `eyas prepare --out {folder}` first, or give the folder it wrote (and --split)")
-    summary = root / "summary.json"
-    fingerprint = json.loads(summary.read_text(encoding="utf-8")).get("fingerprint") if summary.is_file() else None
-    ds = datasets.load_from_disk(str(root / split))
-    missing = {"id", "input_ids", "loss_mask", "num_tokens"} - set(ds.column_names)
-    if missing:
-        raise EyasError(f"{root / split} lacks the column(s) {sorted(missing)}", fix="re-run eyas prepare")
-    return ds, fingerprint
-
 
 def fetch_rows(ds, rows: list[int], where: str) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
     """(ids, input_ids [L] int64, loss_mask [L] int8) of some dataset rows, checked against num_tokens."""
@@ -225,21 +209,6 @@ class Writer:
 
 # ---------------------------------------------------------------- the run
 
-def tune_allocator() -> None:
-    """Keep freed buffers inside the process (glibc): by default every buffer over 32 MiB goes back to the OS
-    when freed and is page-faulted in again by the next batch, which cost 10-25 % of the CPU time of a forward
-    pass on a 2-core machine (kernel time). Nothing happens on other C libraries."""
-    import ctypes  # only where glibc is
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
-    libc.mallopt(m_mmap_threshold, 1 << 30)
-    libc.mallopt(m_trim_threshold, (1 << 31) - 1)
-
-
 def run(cfg: ExtractConfig, *, target=None) -> dict:
     """Extract (or resume) the store; returns the summary.
 
@@ -261,7 +230,8 @@ def run(cfg: ExtractConfig, *, target=None) -> dict:
 
 def _run(cfg: ExtractConfig, env, con, target) -> dict:
     t0 = time.perf_counter()
-    ds, fingerprint = open_prepared(cfg.data, cfg.split)
+    prepared = open_prepared(cfg.data, cfg.split)
+    ds, fingerprint = prepared.ds, prepared.fingerprint
     n = min(cfg.limit, len(ds)) if cfg.limit else len(ds)
     if n == 0:
         raise EyasError(f"{cfg.data} [{cfg.split}] has no samples", fix="prepare some data first")
@@ -359,8 +329,7 @@ def _prepare_store(cfg, con, env, target, shards, lengths, settings, bpt) -> dic
     store = Path(cfg.store)
     old = store / SETTINGS_FILE
     if old.is_file():
-
-        prev = json.loads(old.read_text(encoding="utf-8"))
+        prev = read_json(old, f"use a new --store folder, or remove {old} if the store holds nothing you need")
         diff = sorted(k for k in set(prev) | set(settings) if prev.get(k) != settings.get(k))
         if diff:
             raise EyasError(f"{store} was started with other settings ({', '.join(diff)} "
@@ -470,7 +439,8 @@ def _merge(store: Path, header: dict, n_shards: int, n_samples: int, world: int)
     shards = []
     for r in range(world):
         p = store / "index" / f"rank-{r:05d}-of-{world:05d}.json"
-        shards += json.loads(p.read_text(encoding="utf-8"))
+        shards += read_json(p, "rerun the same extract command: it rewrites the index of any unfinished rank",
+                            expect=list)
     problems = check_coverage(shards, n_samples)
     if len(shards) != n_shards:
         problems.append(f"{len(shards)} shards indexed, the plan has {n_shards}")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gzip
-import json
 import pickle
 import re
 import time
@@ -31,6 +30,7 @@ from safetensors.torch import load_file
 
 from eyas.core.config import StageConfig, check, opt
 from eyas.core.errors import EyasError
+from eyas.core.files import read_json
 from eyas.core.log import console, fmt_bytes, fmt_duration, fmt_int
 from eyas.core.paths import inside
 from eyas.core.target import (
@@ -41,7 +41,7 @@ from eyas.core.target import (
     refusing_code,
     resolve_source,
 )
-from eyas.store.extract import open_prepared
+from eyas.data.prepared import open_prepared
 from eyas.store.layout import SHARD_DIR, bytes_per_token, shard_name
 from eyas.store.writer import ShardBuilder, check_coverage, write_manifest
 
@@ -143,7 +143,8 @@ def read_specforge(path: Path) -> Foreign:
     aux = d["aux_hidden_state"].reshape(last.shape[0], 3, -1) if d["aux_hidden_state"].shape[-1] % 3 == 0 else None
     if aux is None or not (len(ids) == len(mask) == last.shape[0] == aux.shape[0]) or aux.shape[2] != last.shape[1]:
         raise EyasError(f"{path}: inconsistent shapes { {k: list(d[k].shape) for k in keys} }",
-                        fix="expected input_ids [L], loss_mask [L], hidden_state [1, L, H], aux_hidden_state [1, L, 3H]")
+                        fix="expected input_ids [L], loss_mask [L], hidden_state [1, L, H], "
+                            "aux_hidden_state [1, L, 3H]")
     return Foreign(ids.long(), mask, aux, last)
 
 
@@ -174,7 +175,7 @@ def _load_module(module: torch.nn.Module, model: torch.nn.Module, folder: Path) 
     index = folder / "model.safetensors.index.json"
     keys = {prefix + k for k in module.state_dict()}
 
-    files = ({json.loads(index.read_text())["weight_map"][k] for k in keys} if index.is_file()
+    files = ({read_json(index, "download the model again")["weight_map"][k] for k in keys} if index.is_file()
              else {"model.safetensors"})
     state = {}
     for fname in files:
@@ -244,7 +245,8 @@ class Rows:
 def _reference_rows(cfg, src: Path, layout: str, files: dict[int, Path]) -> tuple[Rows, str | None]:
     if cfg.data:
 
-        ds, fingerprint = open_prepared(cfg.data, cfg.split)
+        prepared = open_prepared(cfg.data, cfg.split)
+        ds, fingerprint = prepared.ds, prepared.fingerprint
         extra = sorted(i for i in files if i >= len(ds))
         if extra and not cfg.skip_bad:
             raise EyasError(f"{len(extra)} hidden-state files have no row in {cfg.data} [{cfg.split}] "

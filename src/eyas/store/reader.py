@@ -19,6 +19,7 @@ import torch
 import xxhash
 
 from eyas.core.errors import EyasError
+from eyas.data.prepared import open_prepared
 from eyas.store.layout import (
     FORMAT,
     MANIFEST,
@@ -298,9 +299,9 @@ class StoreReader:
         s = self.samples[i]
         sh = self.shard(s["shard"])
         if not 0 <= s["offset"] <= s["offset"] + s["length"] <= sh.tokens:
-            raise EyasError(f"store {self.path}: sample {s['id']} lies at rows {s['offset']}..{s['offset'] + s['length']}"
-                            f" of shard {s['shard']}, which has {sh.tokens}", "the manifest and the shard disagree",
-                            self._fix)
+            raise EyasError(f"store {self.path}: sample {s['id']} lies at rows "
+                            f"{s['offset']}..{s['offset'] + s['length']} of shard {s['shard']}, which has "
+                            f"{sh.tokens}", "the manifest and the shard disagree", self._fix)
         return s, sh
 
     @property
@@ -397,3 +398,19 @@ class StoreReader:
             elif not matches([t[n][sl] for n in sh.rows], s["checksum"]):
                 problems.append(f"shard {name}: sample {s['id']} (row {s['row']}) is corrupted (checksum differs)")
         return problems
+
+
+def check_tokens(reader: StoreReader, data: str, split: str) -> list[str]:
+    """Samples whose stored token ids differ from their prepared row (named by shard and id)."""
+
+    ds = open_prepared(data, split).ds.select_columns(["id", "input_ids"])
+    problems = []
+    for i, s in enumerate(reader.samples):
+        if s["row"] >= len(ds):
+            problems.append(f"shard {s['shard']}: sample {s['id']} is row {s['row']}, {data} has {len(ds)} rows")
+            continue
+        row = ds[s["row"]]
+        if row["id"] != s["id"] or row["input_ids"] != reader[i].input_ids.tolist():
+            problems.append(f"shard {s['shard']}: sample {s['id']} (row {s['row']}) has other token ids than "
+                            f"{data} [{split}] row {s['row']} (id {row['id']})")
+    return problems

@@ -26,12 +26,11 @@ import numpy as np
 import torch
 
 from eyas.core.errors import EyasError
-from eyas.data.prepare import load_prepared, read_summary
+from eyas.data.prepared import open_prepared
 from eyas.draft.ttt import shift_left
-from eyas.store.commands import check_tokens
-from eyas.store.extract import Capture, open_prepared
+from eyas.store.extract import Capture
 from eyas.store.layout import features
-from eyas.store.reader import StoreReader
+from eyas.store.reader import StoreReader, check_tokens
 
 
 @dataclasses.dataclass
@@ -58,7 +57,7 @@ def check_store_data(reader, data: str) -> None:
 
     recorded = reader.manifest.get("dataset") or {}
     split = recorded.get("split") or "train"
-    _, fingerprint = open_prepared(data, split)
+    fingerprint = open_prepared(data, split).fingerprint
     fix = f"train on the store extracted from {data} (eyas extract --data {data}), or give the dataset it came from"
     if recorded.get("fingerprint") and fingerprint:
         if recorded["fingerprint"] != fingerprint:
@@ -78,10 +77,11 @@ class PreparedSource:
 
     def __init__(self, folder: str, split: str = "train"):
         self.folder, self.split = folder, split
-        self.ds = load_prepared(folder, split).with_format("numpy", columns=["input_ids", "loss_mask"])
-        self.ids = load_prepared(folder, split)["id"]
-        self.lengths = np.asarray(load_prepared(folder, split)["num_tokens"], dtype=np.int64)
-        self.identity = read_summary(folder).get("target", {})
+        prepared = open_prepared(folder, split)
+        self.ds = prepared.ds.with_format("numpy", columns=["input_ids", "loss_mask"])
+        self.ids = prepared.ds["id"]
+        self.lengths = np.asarray(prepared.ds["num_tokens"], dtype=np.int64)
+        self.identity = prepared.identity
 
     def __len__(self) -> int:
         return len(self.lengths)

@@ -14,7 +14,6 @@ compute exactly the gradient of one process with the same global batch.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import math
 
@@ -32,8 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from eyas.core import dist
 from eyas.draft.model import Eagle3Draft
 from eyas.draft.ttt import ttt_forward
-from eyas.train.data import load_micro_batch, needed_rows, sparse_target_logp
-from eyas.train.sharding import ShardSpec, shard_epoch
+from eyas.train.data import needed_rows, sparse_target_logp, valid_masks
 
 
 class TTTObjective(nn.Module):
@@ -106,28 +104,18 @@ def lr_at(step: int, total: int, warmup: int, peak: float, min_ratio: float) -> 
 
 
 @torch.no_grad()
-def validation_sums(t) -> list[float]:
-    """The validation pass of Trainer `t`, sharded like training: [loss_sum_i..., correct_i..., count_i...]
-    summed over ranks. Padding repeats are run (every rank makes the same calls, as FSDP needs) but not counted:
-    their loss mask is zeroed."""
-
-    spec = ShardSpec(world_size=t.env.world_size, micro_batch=t.cfg.micro_batch, shuffle=False,
-                     max_tokens=t.cfg.max_tokens)
-    shard = shard_epoch(t.val_src.lengths, 0, t.env.rank, spec)
-    sums = torch.zeros(3, t.cfg.ttt_steps, dtype=torch.float64)
-    for s, step in enumerate(shard.steps):
-        for m, micro in enumerate(step):
-            b = t.prepare(load_micro_batch(t.val_src, micro))
-            rows = [u for u in range(len(micro)) if (s, m, u) in shard.padded]
-            if rows:
-                mask = b.loss_mask.clone()
-                mask[rows] = 0
-                b = dataclasses.replace(b, loss_mask=mask)
-            with autocast(t.env.device, t.dtype):
-                logp, index = sparse_target_logp(b.final, t.head_rows, needed_rows(t.valid(b)))
-                ls, c, n = t.model(b.input_ids, b.aux, logp, index, b.loss_mask, b.position_ids, b.doc_ids)
-            sums += torch.stack([ls.double().cpu(), c.double().cpu(), n.double().cpu()])
-    return dist.all_reduce_sum(sums.flatten().tolist(), t.env)
+def validation_sums(model: nn.Module, batches, head_rows: torch.Tensor, t2d: torch.Tensor, ttt_steps: int, env,
+                    dtype: str) -> list[float]:
+    """The validation pass of the (wrapped) TTT objective `model` over this rank's prepared micro-batches:
+    [loss_sum_i..., correct_i..., count_i...] summed over ranks. Rows whose loss mask is zero are run, not counted."""
+    sums = torch.zeros(3, ttt_steps, dtype=torch.float64)
+    for b in batches:
+        with autocast(env.device, dtype):
+            valid = valid_masks(b.input_ids, b.loss_mask, b.doc_ids, t2d, ttt_steps)
+            logp, index = sparse_target_logp(b.final, head_rows, needed_rows(valid))
+            ls, c, n = model(b.input_ids, b.aux, logp, index, b.loss_mask, b.position_ids, b.doc_ids)
+        sums += torch.stack([ls.double().cpu(), c.double().cpu(), n.double().cpu()])
+    return dist.all_reduce_sum(sums.flatten().tolist(), env)
 
 
 def autocast(device: str, dtype: str):

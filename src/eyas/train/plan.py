@@ -21,7 +21,6 @@ sharded, every rank reads all N samples each epoch: the same formulas with W = 1
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import shutil
 import sys
@@ -30,7 +29,9 @@ from pathlib import Path
 import eyas.core.target as target
 from eyas.core.config import StageConfig, check, opt
 from eyas.core.errors import EyasError
+from eyas.core.files import read_json
 from eyas.core.log import Console, fmt_bytes, fmt_duration, fmt_int
+from eyas.data.prepared import open_prepared, read_summary
 
 # Bytes per element of the stored hidden states.
 DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "float32": 4, "fp32": 4}
@@ -159,7 +160,7 @@ def target_dims(spec: str) -> tuple[int, int]:
         return target.TINY_CONFIG["hidden_size"], target.TINY_CONFIG["num_hidden_layers"]
     path = Path(spec).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
-        cfg = json.loads((path / "config.json").read_text())
+        cfg = read_json(path / "config.json", "give a model folder whose config.json is intact")
         cfg = cfg.get("text_config", cfg)
         return int(cfg["hidden_size"]), int(cfg.get("num_hidden_layers", 0))
     if spec in target.BUILTINS or (path.suffix == ".gguf" and path.is_file()):
@@ -189,17 +190,12 @@ def read_prepared(folder: str) -> tuple[int, int]:
         raise EyasError(f"{d} is not a prepared dataset (no summary.json, no train/)",
                         fix="give the folder `eyas prepare` wrote, or --samples N --tokens T")
     if summary.is_file():
-        try:
-            s = json.loads(summary.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise EyasError(f"{summary}: unreadable JSON ({e})", fix="re-run eyas prepare, or give --samples") from None
+        s = read_summary(d)
         samples, tokens = s.get("samples"), s.get("tokens_by_split", {})
         if isinstance(samples, dict) and isinstance(samples.get("train"), int):  # the prepare contract
             return samples["train"], int(tokens.get("train", 0)) if isinstance(tokens, dict) else 0
-    import datasets  # heavy (pyarrow): loaded only where a dataset is read or written
-
-    ds = datasets.load_from_disk(str(d / "train"))
-    return len(ds), int(sum(ds["num_tokens"])) if "num_tokens" in ds.column_names else 0
+    ds = open_prepared(d, "train").ds
+    return len(ds), int(sum(ds["num_tokens"]))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

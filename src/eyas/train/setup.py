@@ -1,6 +1,6 @@
 """Setting a training run up: process tuning, sources, target check, draft vocabulary, model, plan, resume.
 
-`setup(trainer)` fills the Trainer's fields (eyas.train.trainer) in this order:
+`setup(cfg, env, con)` builds a run's `TrainParts` (what eyas.train.trainer.Trainer works with) in this order:
 1. the process: threads per rank, glibc allocator settings, seed;
 2. the resume point (rank 0 picks the newest complete checkpoint; every rank loads it), refused under a different
    world size or changed settings (eyas.draft.checkpoint.check_resumable);
@@ -14,18 +14,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from eyas.core import dist
 from eyas.core.errors import EyasError
-from eyas.core.log import fmt_int, write_json
-from eyas.core.target import load_target
+from eyas.core.files import read_json, write_json
+from eyas.core.log import fmt_int
+from eyas.core.memory import tune_allocator
+from eyas.core.target import Target, load_target
 from eyas.draft.checkpoint import (
     check_resumable,
     latest_checkpoint,
@@ -37,7 +41,6 @@ from eyas.draft.checkpoint import (
 from eyas.draft.model import DraftConfig, Eagle3Draft
 from eyas.draft.ttt import step_weights
 from eyas.draft.vocab import build_draft_vocab, count_tokens
-from eyas.store.extract import tune_allocator
 from eyas.train.data import (
     PreparedSource,
     Subset,
@@ -52,55 +55,103 @@ from eyas.train.engine import (
     resolve_dtype,
     wrap,
 )
-from eyas.train.plan import compute_plan
+from eyas.train.plan import Plan, compute_plan
 from eyas.train.sharding import ShardSpec, epoch_units
+from eyas.train.state import Progress, ResumePoint
 
 METRICS, VALIDATION = "metrics.jsonl", "validation.jsonl"
 
 
-def setup(t) -> None:
-    cfg, env = t.cfg, t.env
-    t.threads = tune_process(cfg.threads, env)
+@dataclasses.dataclass
+class TrainParts:
+    """Everything `setup` builds for a Trainer."""
+
+    out: Path  # the run folder
+    threads: int  # CPU threads of this rank
+    dtype: str  # compute dtype: "bf16" (autocast) or "fp32"
+    train_src: Any  # a StoreReader, a Subset of one, or a PreparedSource (--online)
+    val_src: Any  # the same kinds, or None
+    data_record: dict  # samples, skipped_samples, skipped_shards: kept in plan.json and every checkpoint
+    layer_ids: list[int]  # the target's feature layers
+    target: Target | None  # online only: the target computes the features in the loop
+    vocab_info: dict  # the draft vocabulary's size, coverage, distinct_seen
+    draft_cfg: DraftConfig
+    model: nn.Module  # the TTT objective, wrapped for DDP or FSDP2
+    params: list[nn.Parameter]  # the trainable ones
+    optimizer: torch.optim.Optimizer
+    head_rows: torch.Tensor  # [Vd, H] the target's output-head rows of the draft vocabulary (frozen)
+    t2d: torch.Tensor  # [V] bool: target ids in the draft vocabulary
+    weights: torch.Tensor  # [k] the loss weight of each TTT step
+    spec: ShardSpec  # the training sampler
+    val_spec: ShardSpec  # the validation sampler: unshuffled, one pass
+    steps_per_epoch: list[int]  # optimizer steps (global), per epoch
+    total_steps: int  # optimizer steps this run takes (--max-steps applied)
+    warmup_steps: int
+    plan: Plan  # the plan block (eyas.train.plan)
+    plan_json: dict  # RUN/plan.json
+    metrics: MetricsLog | NullMetrics  # rank 0 writes, the others do not
+    progress: Progress  # zero, or the checkpoint's
+    validation: dict | None  # the last validation figures (a resumed run's)
+    audits: dict  # epoch -> sharding audit (a resumed run's, from RUN/audit.json)
+
+
+def setup(cfg, env, con) -> TrainParts:
+    threads = tune_process(cfg.threads, env)
     torch.manual_seed(cfg.seed)
+    out, dtype = Path(cfg.out), resolve_dtype(cfg.dtype, env.device)
+    ckpt = resume_point(cfg, env, con, out)
+    train_src, val_src = sources(cfg)
+    data_record = skipped_data(train_src, ckpt, con)
+    target, layer_ids = load_checked_target(cfg, env, dtype, (train_src, val_src))
+    vocab_info, d2t = draft_vocab(cfg, env, target, train_src, ckpt)
+    draft_cfg = DraftConfig.for_target(target, int(d2t.numel()), layer_ids, cfg.num_layers)
+    draft, head_rows = build_draft(cfg, env, dtype, target, draft_cfg, d2t, ckpt)
+    model = wrap(TTTObjective(draft, cfg.ttt_steps), cfg.parallel, env)
+    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, env.device)
+    if ckpt:
+        load_optimizer_state(model, optimizer, ckpt.optimizer_state)
+    spec, val_spec = samplers(cfg, env)
+    steps, total, warmup, plan, plan_json = make_plan(cfg, env, con, train_src, spec, vocab_info, threads, dtype,
+                                                      data_record)
+    if env.is_main:
+        write_json(out / "plan.json", plan_json)
+    progress, validation, audits = restored(ckpt, out, env)
+    return TrainParts(
+        out=out, threads=threads, dtype=dtype, train_src=train_src, val_src=val_src, data_record=data_record,
+        layer_ids=layer_ids, target=target if cfg.online else None, vocab_info=vocab_info, draft_cfg=draft_cfg,
+        model=model, params=[p for p in model.parameters() if p.requires_grad], optimizer=optimizer,
+        head_rows=head_rows, t2d=draft.t2d, weights=step_weights(cfg.ttt_steps, cfg.step_decay), spec=spec,
+        val_spec=val_spec, steps_per_epoch=steps, total_steps=total, warmup_steps=warmup, plan=plan,
+        plan_json=plan_json, metrics=MetricsLog(out, progress.step, cfg.tensorboard) if env.is_main else NullMetrics(),
+        progress=progress, validation=validation, audits=audits)
 
-    t.out, t.dtype, t.tag, t.bar = Path(cfg.out), resolve_dtype(cfg.dtype, env.device), "", None
-    ckpt = resume_point(t)
-    t.train_src, t.val_src = sources(cfg)
-    skipped_data(t, ckpt)
-    target = load_checked_target(t)
-    build_model(t, target, ckpt)
-    t.target = target if cfg.online else None
-    make_plan(t)
-    counters(t, ckpt)
-    t.metrics = MetricsLog(t.out, t.step, cfg.tensorboard) if env.is_main else NullMetrics()
 
-
-def skipped_data(t, ckpt) -> None:
+def skipped_data(train_src, ckpt: ResumePoint | None, con) -> dict:
     """Say which store samples --skip-bad-shards left out, and refuse to resume on other data than the
     checkpoint's: the epoch order, and the position within it, are computed over the samples."""
-    reader = getattr(t.train_src, "source", t.train_src)  # a Subset's store, when validation is held out
+    reader = getattr(train_src, "source", train_src)  # a Subset's store, when validation is held out
     skipped = getattr(reader, "skipped", 0)
     bad = getattr(reader, "bad_shards", {}) if skipped else {}
-    t.data_record = {"samples": len(reader), "skipped_samples": skipped, "skipped_shards": sorted(bad)}
+    record = {"samples": len(reader), "skipped_samples": skipped, "skipped_shards": sorted(bad)}
     if skipped:
-        t.con.print(f"store: {fmt_int(skipped)} samples left out (--skip-bad-shards), those of {len(bad)} shard(s): "
-                    + "; ".join(f"{n} {why}" for n, why in list(bad.items())[:3]) + (" ..." if len(bad) > 3 else ""),
-                    force=True)
-    before = ckpt[3].get("data") if ckpt else None
-    if before is not None and before != t.data_record:
-        raise EyasError(f"cannot resume {ckpt[0]}: the training data changed since the run that wrote it "
+        con.print(f"store: {fmt_int(skipped)} samples left out (--skip-bad-shards), those of {len(bad)} shard(s): "
+                  + "; ".join(f"{n} {why}" for n, why in list(bad.items())[:3]) + (" ..." if len(bad) > 3 else ""),
+                  force=True)
+    before = ckpt.state.get("data") if ckpt else None
+    if before is not None and before != record:
+        raise EyasError(f"cannot resume {ckpt.folder}: the training data changed since the run that wrote it "
                         f"({before['samples']:,} samples then, shards left out {before['skipped_shards'] or 'none'}; "
-                        f"{t.data_record['samples']:,} now, left out {t.data_record['skipped_shards'] or 'none'})",
+                        f"{record['samples']:,} now, left out {record['skipped_shards'] or 'none'})",
                         "the epoch order and the position within it are computed over the samples",
                         "restore the store as it was when the run started, or start a new run in another --out "
                         "folder")
+    return record
 
 
 def tune_process(threads: int, env) -> int:
     """Threads per rank (the node's cores shared among its ranks), and glibc told to keep freed memory
-    (eyas.store.extract.tune_allocator: otherwise every step page-faults its large logit buffers in again; measured here
-    2-3x slower casts and weight-gradient matmuls)."""
-
+    (eyas.core.memory.tune_allocator: otherwise every step page-faults its large logit buffers in again; measured
+    here 2-3x slower casts and weight-gradient matmuls)."""
     if not env.device.startswith("cuda"):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         threads = threads or max(1, cores // max(1, env.local_world_size))
@@ -109,23 +160,21 @@ def tune_process(threads: int, env) -> int:
     return threads or torch.get_num_threads()
 
 
-def resume_point(t):
-    """(folder, model state, optimizer state, trainer state) to resume from, or None. Rank 0 decides."""
-
-    cfg, env = t.cfg, t.env
+def resume_point(cfg, env, con, out: Path) -> ResumePoint | None:
+    """The checkpoint to resume from, or None. Rank 0 decides; every rank loads it."""
     choice = None
     if env.is_main:
         if cfg.resume:
-            remove_partial(t.out)
-            found = latest_checkpoint(t.out)
+            remove_partial(out)
+            found = latest_checkpoint(out)
             choice = str(found) if found else None
             if not found:
-                t.con.print(f"resume: no checkpoint in {t.out / 'checkpoints'}: starting from step 0")
-        elif (t.out / METRICS).exists() or list_checkpoints(t.out):
+                con.print(f"resume: no checkpoint in {out / 'checkpoints'}: starting from step 0")
+        elif (out / METRICS).exists() or list_checkpoints(out):
             choice = "exists"
     choice = dist.all_gather_objects(choice, env)[0]
     if choice == "exists":
-        raise EyasError(f"{t.out} already holds a training run (metrics.jsonl or checkpoints)",
+        raise EyasError(f"{out} already holds a training run (metrics.jsonl or checkpoints)",
                         "starting over there would mix two runs' logs",
                         "pass --resume to continue it, or give another --out folder")
     if choice is None:
@@ -134,16 +183,16 @@ def resume_point(t):
         raise EyasError(f"rank {env.rank} cannot see the checkpoint {choice}",
                         "rank 0 chose it, but this node's file system does not have it",
                         "put --out on a file system every node shares")
-    model_state, optim_state, state = load_checkpoint(choice)
-    check_resumable(Path(choice), state, cfg.to_dict(), env.world_size)
-    t.con.print(f"resume: {choice} (step {fmt_int(state['step'])}, epoch {state['epoch'] + 1}, "
-                f"step {fmt_int(state['step_in_epoch'])} within it)")
-    return Path(choice), model_state, optim_state, state
+    ckpt = ResumePoint(Path(choice), *load_checkpoint(choice))
+    check_resumable(ckpt.folder, ckpt.state, cfg.to_dict(), env.world_size)
+    p = Progress.from_state(ckpt.state)
+    con.print(f"resume: {choice} (step {fmt_int(p.step)}, epoch {p.epoch + 1}, step {fmt_int(p.step_in_epoch)} "
+              "within it)")
+    return ckpt
 
 
 def sources(cfg):
     """(training source, validation source or None)."""
-
     if cfg.online:
         train = PreparedSource(cfg.data, "train")
         has_val = (Path(cfg.data) / "validation" / "state.json").is_file()
@@ -172,128 +221,106 @@ def store_layers(src) -> list[int] | None:
     return [int(i) for i in ident["layer_ids"]] if ident.get("layer_ids") else None
 
 
-def load_checked_target(t):
-    """The target, refused unless the store was extracted from it; sets the feature layer ids."""
-
-    cfg = t.cfg
-    online_bf16 = cfg.online and t.dtype == "bf16"
-    target = load_target(cfg.target, device=t.env.device if cfg.online else "cpu",
+def load_checked_target(cfg, env, dtype: str, srcs) -> tuple[Target, list[int]]:
+    """The target, refused unless the sources were extracted from it, and the feature layer ids."""
+    online_bf16 = cfg.online and dtype == "bf16"
+    target = load_target(cfg.target, device=env.device if cfg.online else "cpu",
                          dtype="bfloat16" if online_bf16 else "float32")
-    for src in (t.train_src, t.val_src):
+    for src in srcs:
         if src is not None:
             src.check_target(target.identity())
-    t.layer_ids = (target.default_feature_layers() if cfg.online else store_layers(t.train_src)
-                   or target.default_feature_layers())
-    return target
+    layer_ids = (target.default_feature_layers() if cfg.online else store_layers(srcs[0])
+                 or target.default_feature_layers())
+    return target, layer_ids
 
 
-def build_vocab(t, vocab_size: int) -> dict:
-    """Rank 0 counts the loss-masked training tokens and picks the top K; every rank gets the same map."""
-
+def draft_vocab(cfg, env, target, train_src, ckpt: ResumePoint | None) -> tuple[dict, torch.Tensor]:
+    """(vocabulary figures, d2t [Vd]): the checkpoint's, or rank 0 counts the loss-masked training tokens and
+    picks the top K; every rank gets the same map."""
+    if ckpt:
+        info = {k: v for k, v in ckpt.state["vocab"].items() if k != "d2t"}
+        return info, ckpt.model_state["d2t"]
     payload = None
-    if t.env.is_main:
-        src = t.train_src
-        pairs = ((src[i].input_ids.numpy(), src[i].loss_mask.numpy()) for i in range(len(src)))
-        v = build_draft_vocab(count_tokens(pairs, vocab_size), min(t.cfg.draft_vocab, vocab_size))
+    if env.is_main:
+        pairs = ((train_src[i].input_ids.numpy(), train_src[i].loss_mask.numpy()) for i in range(len(train_src)))
+        v = build_draft_vocab(count_tokens(pairs, target.vocab_size), min(cfg.draft_vocab, target.vocab_size))
         payload = {"d2t": v.d2t.tolist(), "coverage": v.coverage, "distinct_seen": v.distinct_seen, "size": v.size}
-    return dist.all_gather_objects(payload, t.env)[0]
+    payload = dist.all_gather_objects(payload, env)[0]
+    d2t = torch.tensor(payload.pop("d2t"), dtype=torch.long)
+    return payload, d2t
 
 
-def build_model(t, target, ckpt) -> None:
-    """The draft (initialised from the target, or the checkpoint's weights), wrapped; optimizer; frozen head."""
-
-    cfg, env = t.cfg, t.env
+def build_draft(cfg, env, dtype: str, target, draft_cfg: DraftConfig, d2t: torch.Tensor,
+                ckpt: ResumePoint | None) -> tuple[Eagle3Draft, torch.Tensor]:
+    """The draft on its device (initialised from the target, or the checkpoint's weights) and the frozen
+    output-head rows [Vd, H] in the compute dtype."""
     embed = target.embed_tokens().weight.detach().float().cpu()  # [V,H]
     head = target.lm_head().weight.detach().float().cpu()  # [V,H]
+    draft = Eagle3Draft(draft_cfg)
     if ckpt:
-        t.vocab_info = ckpt[3]["vocab"]
-        d2t = ckpt[1]["d2t"]
-    else:
-        t.vocab_info = build_vocab(t, target.vocab_size)
-        d2t = torch.tensor(t.vocab_info["d2t"], dtype=torch.long)
-    t.vocab_info.pop("d2t", None)
-    t.draft_cfg = DraftConfig.for_target(target, int(d2t.numel()), t.layer_ids, cfg.num_layers)
-    draft = Eagle3Draft(t.draft_cfg)
-    if ckpt:
-        draft.load_state_dict(ckpt[1])
+        draft.load_state_dict(ckpt.model_state)
     else:
         draft.init_weights(embed, head, d2t, seed=cfg.seed)
-    compute = torch.float32 if t.dtype == "fp32" else torch.bfloat16
-    t.head_rows = head[draft.target_ids()].to(env.device, compute)  # [Vd,H] frozen: the target's distribution
+    compute = torch.float32 if dtype == "fp32" else torch.bfloat16
+    head_rows = head[draft.target_ids()].to(env.device, compute)  # [Vd,H] frozen: the target's distribution
     if cfg.freeze_head:
         draft.lm_head.weight.requires_grad_(False)
-    draft.to(env.device)
-    t.t2d = draft.t2d
-    t.model = wrap(TTTObjective(draft, cfg.ttt_steps), cfg.parallel, env)
-    t.params = [p for p in t.model.parameters() if p.requires_grad]
-    t.optimizer = make_optimizer(t.model, cfg.lr, cfg.weight_decay, env.device)
-    if ckpt:
-        load_optimizer_state(t.model, t.optimizer, ckpt[2])
-
-    t.weights = step_weights(cfg.ttt_steps, cfg.step_decay)  # [k]
+    return draft.to(env.device), head_rows
 
 
-def make_plan(t) -> None:
-    """The sampler's spec, the optimizer-step counts (compute_plan's, per epoch: packing varies them), the
-    schedule length, and the plan block on the console and in RUN/plan.json."""
+def samplers(cfg, env) -> tuple[ShardSpec, ShardSpec]:
+    """The training sampler and the validation one (one unshuffled pass, the same micro-batch and packing)."""
+    train = ShardSpec(world_size=env.world_size, micro_batch=cfg.micro_batch, grad_accum=cfg.grad_accum,
+                      seed=cfg.seed, shuffle=cfg.shuffle, drop_remainder=cfg.drop_remainder,
+                      max_tokens=cfg.max_tokens, group_window=cfg.group_window, sharded=cfg.shard_data)
+    val = ShardSpec(world_size=env.world_size, micro_batch=cfg.micro_batch, shuffle=False, max_tokens=cfg.max_tokens)
+    return train, val
 
-    cfg, env = t.cfg, t.env
-    t.spec = ShardSpec(world_size=env.world_size, micro_batch=cfg.micro_batch, grad_accum=cfg.grad_accum,
-                       seed=cfg.seed, shuffle=cfg.shuffle, drop_remainder=cfg.drop_remainder,
-                       max_tokens=cfg.max_tokens, group_window=cfg.group_window, sharded=cfg.shard_data)
-    lengths = np.asarray(t.train_src.lengths)
+
+def make_plan(cfg, env, con, train_src, spec: ShardSpec, vocab: dict, threads: int, dtype: str, data: dict):
+    """(optimizer steps per epoch (compute_plan's; packing varies them), steps this run takes, warmup steps, the
+    plan, RUN/plan.json's content), the plan block printed on the console."""
+    lengths = np.asarray(train_src.lengths)
     world = env.world_size if cfg.shard_data else 1  # unsharded, every rank runs all of it
-    units = [len(epoch_units(lengths, e, t.spec)) if cfg.max_tokens else len(lengths) for e in range(cfg.epochs)]
-    t.steps_per_epoch = [compute_plan(u, world, cfg.micro_batch, cfg.grad_accum, 1, cfg.drop_remainder)
-                         .optimizer_steps_per_epoch for u in units]
-    planned = sum(t.steps_per_epoch)
-    t.total_steps = min(planned, cfg.max_steps) if cfg.max_steps else planned
-    t.warmup_steps = int(cfg.warmup_ratio * t.total_steps)
-    t.plan = compute_plan(units[0], env.world_size, cfg.micro_batch, cfg.grad_accum, cfg.epochs,
-                          cfg.drop_remainder, tokens=int(lengths.sum()))
+    units = [len(epoch_units(lengths, e, spec)) if cfg.max_tokens else len(lengths) for e in range(cfg.epochs)]
+    steps = [compute_plan(u, world, cfg.micro_batch, cfg.grad_accum, 1, cfg.drop_remainder).optimizer_steps_per_epoch
+             for u in units]
+    planned = sum(steps)
+    total = min(planned, cfg.max_steps) if cfg.max_steps else planned
+    warmup = int(cfg.warmup_ratio * total)
+    plan = compute_plan(units[0], env.world_size, cfg.micro_batch, cfg.grad_accum, cfg.epochs, cfg.drop_remainder,
+                        tokens=int(lengths.sum()))
     lines = []
     if cfg.max_tokens:
         lines.append(f"packing: {fmt_int(len(lengths))} samples -> {fmt_int(units[0])} sequences of at most "
                      f"{fmt_int(cfg.max_tokens)} tokens in epoch 1 (global); the plan's samples are these sequences")
-    lines += t.plan.lines()
-    if planned != t.plan.optimizer_steps_total or t.total_steps != planned:
-        lines.append(f"plan: this run takes {fmt_int(t.total_steps)} optimizer steps (global)"
+    lines += plan.lines()
+    if planned != plan.optimizer_steps_total or total != planned:
+        lines.append(f"plan: this run takes {fmt_int(total)} optimizer steps (global)"
                      + (f": --max-steps {cfg.max_steps} of {fmt_int(planned)} planned" if cfg.max_steps else
-                        f"; per epoch {', '.join(fmt_int(s) for s in t.steps_per_epoch)} (packing varies)"))
-    v = t.vocab_info
-    lines.append(f"plan: draft vocabulary {fmt_int(v['size'])} tokens covering {100 * v['coverage']:.2f}% of the "
-                 f"loss-masked training tokens ({fmt_int(v['distinct_seen'])} distinct ids seen)")
-    lines.append(f"plan: {env.world_size} ranks x {t.threads} threads, {t.dtype}, "
+                        f"; per epoch {', '.join(fmt_int(s) for s in steps)} (packing varies)"))
+    lines.append(f"plan: draft vocabulary {fmt_int(vocab['size'])} tokens covering {100 * vocab['coverage']:.2f}% of "
+                 f"the loss-masked training tokens ({fmt_int(vocab['distinct_seen'])} distinct ids seen)")
+    lines.append(f"plan: {env.world_size} ranks x {threads} threads, {dtype}, "
                  f"{cfg.parallel if env.distributed else 'one process'}, device {env.device}, TTT {cfg.ttt_steps}, "
-                 f"warmup {fmt_int(t.warmup_steps)} steps, then cosine to step {fmt_int(t.total_steps)}")
+                 f"warmup {fmt_int(warmup)} steps, then cosine to step {fmt_int(total)}")
     for line in lines:
-        t.con.print(line)
-    t.plan_json = {**t.plan.to_dict(), "optimizer_steps_run": t.total_steps, "steps_per_epoch_actual":
-                   t.steps_per_epoch, "max_tokens": cfg.max_tokens, "units_per_epoch": units, "vocab": v,
-                   "dtype": t.dtype, "threads_per_rank": t.threads, "parallel": cfg.parallel, "lines": lines,
-                   "data": t.data_record}
-    if env.is_main:
-        write_json(t.out / "plan.json", t.plan_json)
+        con.print(line)
+    plan_json = {**plan.to_dict(), "optimizer_steps_run": total, "steps_per_epoch_actual": steps,
+                 "max_tokens": cfg.max_tokens, "units_per_epoch": units, "vocab": vocab, "dtype": dtype,
+                 "threads_per_rank": threads, "parallel": cfg.parallel, "lines": lines, "data": data}
+    return steps, total, warmup, plan, plan_json
 
 
-def counters(t, ckpt) -> None:
-    """Step, data position and running totals: zero, or the checkpoint's (and this rank's RNG states)."""
-
-    st = ckpt[3] if ckpt else {}
-    t.step, t.epoch, t.step_in_epoch = st.get("step", 0), st.get("epoch", 0), st.get("step_in_epoch", 0)
-    t.samples_seen, t.tokens_seen = st.get("samples_seen_global", 0), st.get("tokens_seen_global", 0)
-    t.epoch_samples = st.get("epoch_samples_global", 0)
-    t.elapsed0, t.t0 = float(st.get("elapsed_s", 0.0)), time.perf_counter()
-    t.tokens_run, t.last, t.val, t.step_times = 0, None, None, []
-    t.data_wait_s = t.loop_s = t.epoch_loop_s = t.epoch_wait_s = 0.0
-    t.audits = {}
-    if ckpt:
-        set_rng_state(st["rng"][t.env.rank])
-        prev = ckpt[3].get("training", {})
-        t.val = prev.get("validation")
-        audit_file = t.out / "audit.json"
-        if audit_file.is_file():
-            t.audits = json.loads(audit_file.read_text()).get("epochs", {})
+def restored(ckpt: ResumePoint | None, out: Path, env) -> tuple[Progress, dict | None, dict]:
+    """(progress, last validation, audits so far): a new run's, or the checkpoint's (and this rank's RNG state)."""
+    if not ckpt:
+        return Progress(), None, {}
+    set_rng_state(ckpt.state["rng"][env.rank])
+    audit_file = out / "audit.json"
+    fix = "restore RUN/audit.json as the run left it, or start a new run in another --out folder"
+    audits = read_json(audit_file, fix).get("epochs", {}) if audit_file.is_file() else {}
+    return Progress.from_state(ckpt.state), ckpt.state.get("training", {}).get("validation"), audits
 
 
 class MetricsLog:

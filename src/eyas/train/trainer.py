@@ -21,7 +21,8 @@ import torch
 from eyas.core import dist
 from eyas.core.config import StageConfig, check, opt
 from eyas.core.errors import EyasError, disk_full
-from eyas.core.log import console, fmt_duration, fmt_int, write_json
+from eyas.core.files import write_json
+from eyas.core.log import console, fmt_duration, fmt_int
 from eyas.core.target import DEFAULT_TARGET
 from eyas.draft.checkpoint import rng_state, save_checkpoint, save_draft
 from eyas.draft.model import Eagle3Draft
@@ -43,8 +44,9 @@ from eyas.train.engine import (
     validation_sums,
 )
 from eyas.train.plan import compute_plan
-from eyas.train.setup import setup
+from eyas.train.setup import TrainParts, setup
 from eyas.train.sharding import audit, shard_epoch
+from eyas.train.state import Progress
 
 SUMMARY_FILE = "summary.json"  # in --out: what the run did (rank 0 writes it last, after the final draft)
 
@@ -134,36 +136,50 @@ class StepStats:
 
 
 class Trainer:
-    """One training run: set up from the config (or a checkpoint), then `fit()`."""
+    """One training run: set up from the config (or a checkpoint), then `fit()`.
+
+    What setup builds is `self.parts` (eyas.train.setup.TrainParts); where the run is, `self.progress` (saved in
+    every checkpoint); the rest below is this process's own bookkeeping."""
 
     def __init__(self, cfg: TrainConfig, env: dist.DistEnv, con):
         self.cfg, self.env, self.con = cfg, env, con
-        setup(self)  # sources, target, vocabulary, model, optimizer, plan, audit folder, resume position
+        self.parts: TrainParts = setup(cfg, env, con)  # sources, target, vocabulary, model, optimizer, plan, resume
+        self.progress: Progress = self.parts.progress
+        self.val: dict | None = self.parts.validation  # the last validation figures
+        self.audits: dict = self.parts.audits  # epoch -> sharding audit, as in RUN/audit.json
+        self.tag = ""  # "[DUPLICATE DATA] " on every line once an audit failed under --allow-duplicate-data
+        self.bar = None  # the progress bar while the loop runs
+        self.last: StepStats | None = None  # the latest optimizer step's figures
+        self.step_times: list[float] = []  # the first steps' seconds, for the measured rate
+        self.tokens_run = 0  # tokens trained on by this process (a resumed run counts from its restart)
+        self.loop_s = self.data_wait_s = 0.0  # the training loop's time, and the share spent waiting for data
+        self.epoch_loop_s = self.epoch_wait_s = 0.0  # the same, for the current epoch
+        self.t0 = time.perf_counter()
 
     # -- the loop ---------------------------------------------------------------------------------------------------
     def fit(self) -> dict:
-        cfg = self.cfg
-        running = self.epoch < cfg.epochs and self.step < self.total_steps
-        first = self.audited_shard(self.epoch) if running else None  # the audit line comes before the bar
-        bar = self.bar = self.con.progress(total=self.total_steps, initial=self.step, desc="train", unit="step")
+        cfg, p, g = self.cfg, self.parts, self.progress
+        first_epoch = g.epoch  # where this process starts: a resumed run goes on inside it
+        running = first_epoch < cfg.epochs and g.step < p.total_steps
+        first = self.audited_shard(first_epoch, True) if running else None  # the audit line comes before the bar
+        bar = self.bar = self.con.progress(total=p.total_steps, initial=g.step, desc="train", unit="step")
         try:
-            for epoch in range(self.epoch, cfg.epochs):
-                if self.step >= self.total_steps:
+            for epoch in range(first_epoch, cfg.epochs):
+                if g.step >= p.total_steps:
                     break
-                shard = first if epoch == self.epoch else self.audited_shard(epoch)
-                start = self.step_in_epoch if epoch == self.epoch else 0
-                done = self.train_epoch(epoch, shard, start, bar)
-                if done:
+                shard = first if epoch == first_epoch else self.audited_shard(epoch, False)
+                start = g.step_in_epoch if epoch == first_epoch else 0
+                g.epoch, g.step_in_epoch = epoch, start
+                if self.train_epoch(epoch, shard, start, bar):
                     self.end_epoch(epoch)
         finally:
             bar.close()
             self.bar = None
-            self.metrics.close()
+            p.metrics.close()
         return self.finish()
 
     def train_epoch(self, epoch: int, shard, start: int, bar) -> bool:
         """Run the epoch's optimizer steps from `start`; True when the epoch completed."""
-
         batches = Prefetcher(self.batches(shard, start), self.cfg.prefetch)
         it = iter(batches)
         self.epoch_loop_s = 0.0
@@ -175,11 +191,11 @@ class Trainer:
                 self.record(epoch, index + 1, stats, bar)
                 self.epoch_loop_s += time.perf_counter() - t0  # the loop's time, without checkpoints
                 last = index + 1 == len(shard.steps)
-                if self.step >= self.total_steps and not last:
-                    self.save(epoch, index + 1)
+                if self.progress.step >= self.parts.total_steps and not last:
+                    self.save()
                     return False
-                if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0 and not last:
-                    self.save(epoch, index + 1)
+                if self.cfg.checkpoint_every and self.progress.step % self.cfg.checkpoint_every == 0 and not last:
+                    self.save()
         finally:
             batches.close()
             self.epoch_wait_s = batches.wait_s
@@ -189,84 +205,82 @@ class Trainer:
 
     def batches(self, shard, start: int):
         """The epoch's micro-batches from optimizer step `start` on, as Batches (runs on the prefetch thread)."""
-
         pin = self.env.device.startswith("cuda")
         for s in range(start, len(shard.steps)):
             for m, micro in enumerate(shard.steps[s]):
                 repeats = sum(len(u) for j, u in enumerate(micro) if (s, m, j) in shard.padded)
-                yield load_micro_batch(self.train_src, micro, repeats, pin)
+                yield load_micro_batch(self.parts.train_src, micro, repeats, pin)
 
     def train_step(self, window) -> StepStats:
         """One optimizer step over this rank's micro-batches `window`; the loss of TTT step i is normalised by
         the global count of its counted positions (all ranks, all micro-batches), so any world size computes the
         same gradient for the same global batch."""
-
         t0 = time.perf_counter()
-        cfg, env, k = self.cfg, self.env, self.cfg.ttt_steps
+        cfg, env, p, k = self.cfg, self.env, self.parts, self.cfg.ttt_steps
         batches = [self.prepare(b) for b in window]
         valid = [self.valid(b) for b in batches]  # [k,B,T] each
         local = torch.stack([v.sum((1, 2)) for v in valid]).sum(0).tolist()
         totals = dist.all_reduce_sum(local + [sum(b.samples for b in batches), sum(b.tokens for b in batches)], env)
         counts = torch.tensor(totals[:k], dtype=torch.float32)
-        scale = (self.weights / counts.clamp(min=1) * env.world_size).to(env.device)  # [k]
+        scale = (p.weights / counts.clamp(min=1) * env.world_size).to(env.device)  # [k]
         sums = torch.zeros(3, k, dtype=torch.float64)
         for j, (b, v) in enumerate(zip(batches, valid)):
-            with no_sync(self.model, j == len(batches) - 1):
-                with autocast(env.device, self.dtype):
+            with no_sync(p.model, j == len(batches) - 1):
+                with autocast(env.device, p.dtype):
                     with torch.no_grad():
-                        logp, index = sparse_target_logp(b.final, self.head_rows, needed_rows(v))  # [M,Vd], [B,T]
-                    loss_sum, correct, count = self.model(b.input_ids, b.aux, logp, index, b.loss_mask,
-                                                          b.position_ids, b.doc_ids)
+                        logp, index = sparse_target_logp(b.final, p.head_rows, needed_rows(v))  # [M,Vd], [B,T]
+                    loss_sum, correct, count = p.model(b.input_ids, b.aux, logp, index, b.loss_mask,
+                                                       b.position_ids, b.doc_ids)
                     loss = (loss_sum.float() * scale).sum()
                 loss.backward()
             sums += torch.stack([loss_sum.detach().double().cpu(), correct.double().cpu(), count.double().cpu()])
         grad_norm = self.clip()
-        lr = lr_at(self.step, self.total_steps, self.warmup_steps, cfg.lr, cfg.min_lr_ratio)
-        for group in self.optimizer.param_groups:
+        lr = lr_at(self.progress.step, p.total_steps, p.warmup_steps, cfg.lr, cfg.min_lr_ratio)
+        for group in p.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        p.optimizer.step()
+        p.optimizer.zero_grad(set_to_none=True)
         red = dist.all_reduce_sum(sums.flatten().tolist(), env)
         loss_i = [red[i] / max(1.0, totals[i]) for i in range(k)]
         acc_i = [red[k + i] / max(1.0, totals[i]) for i in range(k)]
         if [round(c) for c in red[2 * k:]] != [round(c) for c in totals[:k]]:
             raise RuntimeError(f"eyas internal error: counted positions {red[2 * k:]} != precomputed {totals[:k]}")
-        loss = float(sum(w * li for w, li in zip(self.weights.tolist(), loss_i)))
+        loss = float(sum(w * li for w, li in zip(p.weights.tolist(), loss_i)))
         return StepStats(loss, loss_i, acc_i, [int(c) for c in totals[:k]], int(totals[k]), int(totals[k + 1]), lr,
                          grad_norm, time.perf_counter() - t0)
 
     def prepare(self, batch):
         """To the device (features in the compute dtype); online: the target computes the features here."""
-
-        feat = torch.float32 if self.dtype == "fp32" else torch.bfloat16
+        feat = torch.float32 if self.parts.dtype == "fp32" else torch.bfloat16
         batch = batch.to(self.env.device, feat)
         if self.cfg.online:
-            batch = capture_features(self.target, self.layer_ids, batch).to(self.env.device, feat)
+            batch = capture_features(self.parts.target, self.parts.layer_ids, batch).to(self.env.device, feat)
         return batch
 
     def clip(self) -> float:
         if not self.cfg.grad_clip:
             return 0.0
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(self.parts.params, self.cfg.grad_clip)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     # -- logging -----------------------------------------------------------------------------------------------------
     def record(self, epoch: int, step_in_epoch: int, s: StepStats, bar) -> None:
         """Count the step, write its metrics line (rank 0), advance the bar; time the first steps for the ETA."""
-        self.step += 1
-        self.step_in_epoch = step_in_epoch
-        self.samples_seen += s.samples
-        self.tokens_seen += s.tokens
+        g = self.progress
+        g.step += 1
+        g.step_in_epoch = step_in_epoch
+        g.samples_seen += s.samples
+        g.tokens_seen += s.tokens
+        g.epoch_samples += s.samples
         self.tokens_run += s.tokens
-        self.epoch_samples += s.samples
         self.last = s
-        rec = {"step": self.step, "epoch": epoch, "lr": s.lr, "loss": round(s.loss, 6),
+        rec = {"step": g.step, "epoch": epoch, "lr": s.lr, "loss": round(s.loss, 6),
                "loss_i": [round(x, 6) for x in s.loss_i], "acc_i": [round(x, 6) for x in s.acc_i],
-               "tokens_per_s": round(s.tokens / max(s.seconds, 1e-9), 1), "samples_seen_global": self.samples_seen,
+               "tokens_per_s": round(s.tokens / max(s.seconds, 1e-9), 1), "samples_seen_global": g.samples_seen,
                "elapsed_s": round(self.elapsed(), 3), "grad_norm": round(s.grad_norm, 6)}
         if self.tag:
             rec["duplicate_data"] = True
-        self.metrics.write(rec)
+        self.parts.metrics.write(rec)
         bar.set_postfix(loss=f"{s.loss:.3f}", acc0=f"{s.acc_i[0]:.3f}", refresh=False)
         bar.update(1)
         self.step_times.append(s.seconds)
@@ -275,15 +289,16 @@ class Trainer:
 
     def report_rate(self, seconds_per_step: float) -> None:
         rate = 1.0 / max(seconds_per_step, 1e-9)
-        p = self.plan
-        timed = compute_plan(p.samples, p.world_size, p.micro_batch, p.grad_accum, p.epochs, p.drop_remainder,
-                             steps_per_s=rate, tokens=p.tokens)
-        left = (self.total_steps - self.step) / rate
+        p, plan = self.parts, self.parts.plan
+        timed = compute_plan(plan.samples, plan.world_size, plan.micro_batch, plan.grad_accum, plan.epochs,
+                             plan.drop_remainder, steps_per_s=rate, tokens=plan.tokens)
+        remaining = p.total_steps - self.progress.step
+        left = remaining / rate
         self.say(f"plan: measured {rate:.2f} optimizer steps/s per rank -> {fmt_duration(left)} left for the "
-                 f"{fmt_int(self.total_steps - self.step)} remaining steps (global, all ranks step together)")
+                 f"{fmt_int(remaining)} remaining steps (global, all ranks step together)")
         self.say(timed.lines()[-1])
         if self.env.is_main:
-            write_json(self.out / "plan.json", {**self.plan_json, **timed.to_dict(), "remaining_eta_s": left})
+            write_json(p.out / "plan.json", {**p.plan_json, **timed.to_dict(), "remaining_eta_s": left})
 
     def say(self, line: str) -> None:
         """A console line (rank 0), written above the progress bar when one is showing."""
@@ -293,115 +308,131 @@ class Trainer:
             self.con.print(self.tag + line)
 
     def elapsed(self) -> float:
-        return self.elapsed0 + time.perf_counter() - self.t0
+        return self.progress.elapsed_s + time.perf_counter() - self.t0
 
     def end_epoch(self, epoch: int) -> None:
         """The epoch's global processed count against the dataset, validation, the epoch-end checkpoint."""
-        n = len(self.train_src)
+        g, n = self.progress, len(self.parts.train_src)
         wait = self.epoch_wait_s / max(self.epoch_loop_s, 1e-9)
-        self.say(f"epoch {epoch + 1}: {fmt_int(self.epoch_samples)} samples processed (global) of {fmt_int(n)} "
-                 f"({fmt_int(self.epoch_samples - n) if self.epoch_samples >= n else 0} repeats); "
+        self.say(f"epoch {epoch + 1}: {fmt_int(g.epoch_samples)} samples processed (global) of {fmt_int(n)} "
+                 f"({fmt_int(g.epoch_samples - n) if g.epoch_samples >= n else 0} repeats); "
                  f"waiting for data {100 * wait:.1f}% of the loop's time")
-        self.epoch_samples = 0
+        g.epoch_samples = 0
         self.val = self.validate(epoch)
-        self.save(epoch + 1, 0)
+        g.epoch, g.step_in_epoch = epoch + 1, 0
+        self.save()
 
     def validate(self, epoch: int) -> dict | None:
         """The validation pass (eyas.train.engine.validation_sums): loss and acc per TTT step, global."""
-
-        if self.val_src is None:
+        p, k = self.parts, self.cfg.ttt_steps
+        if p.val_src is None:
             return None
-        k = self.cfg.ttt_steps
-        red = validation_sums(self)
+        red = validation_sums(p.model, self.validation_batches(), p.head_rows, p.t2d, k, self.env, p.dtype)
         n = [max(1.0, x) for x in red[2 * k:]]
-        out = {"epoch": epoch, "samples": len(self.val_src), "loss_i": [red[i] / n[i] for i in range(k)],
+        out = {"epoch": epoch, "samples": len(p.val_src), "loss_i": [red[i] / n[i] for i in range(k)],
                "acc_i": [red[k + i] / n[i] for i in range(k)]}
-        out["loss"] = float(sum(w * x for w, x in zip(self.weights.tolist(), out["loss_i"])))
-        self.say(f"validation (epoch {epoch + 1}, {fmt_int(len(self.val_src))} samples, global): loss "
+        out["loss"] = float(sum(w * x for w, x in zip(p.weights.tolist(), out["loss_i"])))
+        self.say(f"validation (epoch {epoch + 1}, {fmt_int(len(p.val_src))} samples, global): loss "
                  f"{out['loss']:.4f}, acc_i " + " ".join(f"{a:.3f}" for a in out["acc_i"]))
-        self.metrics.write_validation({**out, "step": self.step})
+        p.metrics.write_validation({**out, "step": self.progress.step})
         return out
 
+    def validation_batches(self):
+        """This rank's validation micro-batches, prepared; the rows that only pad the last step (every rank makes
+        the same calls, as FSDP needs) have their loss mask zeroed, so they are run but not counted."""
+        p = self.parts
+        shard = shard_epoch(p.val_src.lengths, 0, self.env.rank, p.val_spec)
+        for s, step in enumerate(shard.steps):
+            for m, micro in enumerate(step):
+                b = self.prepare(load_micro_batch(p.val_src, micro))
+                rows = [u for u in range(len(micro)) if (s, m, u) in shard.padded]
+                if rows:
+                    mask = b.loss_mask.clone()
+                    mask[rows] = 0
+                    b = dataclasses.replace(b, loss_mask=mask)
+                yield b
+
     def valid(self, b):
-        return valid_masks(b.input_ids, b.loss_mask, b.doc_ids, self.t2d, self.cfg.ttt_steps)
+        return valid_masks(b.input_ids, b.loss_mask, b.doc_ids, self.parts.t2d, self.cfg.ttt_steps)
 
     # -- sharding audit, checkpoints, the end ------------------------------------------------------------------------
-    def audited_shard(self, epoch: int):
-        """This rank's share of the epoch, after checking every rank's actual sample ids (disjoint, covering)."""
-
-        shard = shard_epoch(self.train_src.lengths, epoch, self.env.rank, self.spec)
+    def audited_shard(self, epoch: int, first: bool):
+        """This rank's share of the epoch, after checking every rank's actual sample ids (disjoint, covering);
+        the audit line is shown for the first epoch this process runs, and for any that fails."""
+        p, cfg = self.parts, self.cfg
+        shard = shard_epoch(p.train_src.lengths, epoch, self.env.rank, p.spec)
         gathered = dist.all_gather_objects(shard.sample_ids(), self.env)
-        a = audit(gathered, len(self.train_src), epoch, shard.dropped_samples,
-                  units=shard.total_units if self.cfg.max_tokens else 0, allowed=self.cfg.allow_duplicate_data)
-        if not a.ok and self.cfg.allow_duplicate_data:
+        a = audit(gathered, len(p.train_src), epoch, shard.dropped_samples,
+                  units=shard.total_units if cfg.max_tokens else 0, allowed=cfg.allow_duplicate_data)
+        if not a.ok and cfg.allow_duplicate_data:
             self.tag = "[DUPLICATE DATA] "
-        if epoch == self.epoch or not a.ok:
+        if first or not a.ok:
             self.say(a.line())
         if self.env.is_main:
             self.audits[str(epoch)] = a.to_dict()
-            write_json(self.out / "audit.json", {**a.to_dict(), "epochs": self.audits})
-        if not a.ok and not self.cfg.allow_duplicate_data:
+            write_json(p.out / "audit.json", {**a.to_dict(), "epochs": self.audits})
+        if not a.ok and not cfg.allow_duplicate_data:
             raise EyasError(f"sharding audit failed for epoch {epoch + 1}: {a.line()}",
                             "ranks would train on the same samples (or some on none): the run would not be the "
-                            "one the plan describes" + ("; --no-shard-data is set" if not self.cfg.shard_data else ""),
+                            "one the plan describes" + ("; --no-shard-data is set" if not cfg.shard_data else ""),
                             "drop --no-shard-data (or fix the sampler); --allow-duplicate-data trains anyway, "
                             "marking every log line")
-        expect = self.steps_per_epoch[epoch]
+        expect = p.steps_per_epoch[epoch]
         if len(shard.steps) != expect:
-            raise RuntimeError(f"eyas internal error: {len(shard.steps)} steps in epoch {epoch + 1}, plan says {expect}")
+            raise RuntimeError(f"eyas internal error: {len(shard.steps)} steps in epoch {epoch + 1}, "
+                               f"plan says {expect}")
         return shard
 
-    def save(self, epoch: int, step_in_epoch: int) -> None:
-        """A checkpoint at data position (epoch, step_in_epoch): weights, optimizer, RNG states, counters."""
-
-        optim = full_optimizer_state(self.model, self.optimizer)  # collective under FSDP
+    def save(self) -> None:
+        """A checkpoint at the current data position: weights, optimizer, RNG states, progress."""
+        p, g = self.parts, self.progress
+        optim = full_optimizer_state(p.model, p.optimizer)  # collective under FSDP
         draft = self.full_draft()
         rngs = dist.all_gather_objects(rng_state(), self.env)
         if self.env.is_main:
-            state = {"step": self.step, "epoch": epoch, "step_in_epoch": step_in_epoch,
-                     "world_size": self.env.world_size, "samples_seen_global": self.samples_seen,
-                     "tokens_seen_global": self.tokens_seen, "epoch_samples_global": self.epoch_samples,
-                     "elapsed_s": self.elapsed(), "config": self.cfg.to_dict(), "rng": rngs,
-                     "scheduler": {"step": self.step, "total": self.total_steps, "warmup": self.warmup_steps},
-                     "vocab": self.vocab_info, "training": self.training_summary(), "data": self.data_record}
-            save_checkpoint(self.out, self.step, draft, optim, state, self.cfg.keep_checkpoints)
+            state = {**dataclasses.replace(g, elapsed_s=self.elapsed()).to_state(),
+                     "world_size": self.env.world_size, "config": self.cfg.to_dict(), "rng": rngs,
+                     "scheduler": {"step": g.step, "total": p.total_steps, "warmup": p.warmup_steps},
+                     "vocab": p.vocab_info, "training": self.training_summary(), "data": p.data_record}
+            save_checkpoint(p.out, g.step, draft, optim, state, self.cfg.keep_checkpoints)
         dist.barrier(self.env)
 
     def full_draft(self):
         """An Eagle3Draft with the full weights (FSDP: gathered into a CPU copy; else the draft itself)."""
-
         if not (self.env.distributed and self.cfg.parallel == "fsdp"):
-            return draft_of(self.model)
-        state = full_model_state(self.model)  # a collective: every rank takes part, rank 0 gets the tensors
+            return draft_of(self.parts.model)
+        state = full_model_state(self.parts.model)  # a collective: every rank takes part, rank 0 gets the tensors
         if not self.env.is_main:
             return None
-        copy = Eagle3Draft(self.draft_cfg)
+        copy = Eagle3Draft(self.parts.draft_cfg)
         copy.load_state_dict(state)
         return copy
 
     def training_summary(self) -> dict:
-        s = self.last
-        return {"steps": self.step, "epochs": self.cfg.epochs, "samples": self.samples_seen,
-                "tokens": self.tokens_seen, "world_size": self.env.world_size, "ttt_steps": self.cfg.ttt_steps,
+        s, g = self.last, self.progress
+        return {"steps": g.step, "epochs": self.cfg.epochs, "samples": g.samples_seen,
+                "tokens": g.tokens_seen, "world_size": self.env.world_size, "ttt_steps": self.cfg.ttt_steps,
                 "final_loss": s.loss if s else None, "final_acc_i": s.acc_i if s else None,
-                "validation": self.val, "vocab_coverage": self.vocab_info["coverage"], "dtype": self.dtype}
+                "validation": self.val, "vocab_coverage": self.parts.vocab_info["coverage"], "dtype": self.parts.dtype}
 
     def finish(self) -> dict:
+        p, g = self.parts, self.progress
         draft = self.full_draft()
         summary = self.training_summary()
         wait = self.data_wait_s / max(self.loop_s, 1e-9)
         tps = self.tokens_run / max(self.loop_s, 1e-9)
-        result = {"out": str(self.out), "final": str(self.out / "final"), **summary, "tokens_per_s": tps,
+        result = {"out": str(p.out), "final": str(p.out / "final"), **summary, "tokens_per_s": tps,
                   "train_loop_s": self.loop_s, "data_wait_share": wait, "elapsed_s": self.elapsed(),
-                  "audit": self.audits, "duplicate_data": bool(self.tag), "skipped_samples": self.data_record["skipped_samples"]}
+                  "audit": self.audits, "duplicate_data": bool(self.tag),
+                  "skipped_samples": p.data_record["skipped_samples"]}
         if self.env.is_main:
-            save_draft(draft, self.out / "final", extra={"training": summary})
-            write_json(self.out / SUMMARY_FILE, result)
+            save_draft(draft, p.out / "final", extra={"training": summary})
+            write_json(p.out / SUMMARY_FILE, result)
         dist.barrier(self.env)
         acc = " ".join(f"{a:.3f}" for a in (summary["final_acc_i"] or []))
-        self.con.summary(f"{self.tag}train: {fmt_int(self.step)} steps, {fmt_int(self.samples_seen)} samples "
+        self.con.summary(f"{self.tag}train: {fmt_int(g.step)} steps, {fmt_int(g.samples_seen)} samples "
                          f"(global), acc_i {acc}, {tps:,.0f} tokens/s, data wait {100 * wait:.1f}% -> "
-                         f"{self.out / 'final'}")
+                         f"{p.out / 'final'}")
         return result
 
 
