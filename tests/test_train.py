@@ -3,6 +3,7 @@ one process, a real learning signal, the run folder's files, online mode, refusa
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -20,6 +21,8 @@ from tests.train_fakes import write_store
 
 ENTRY = str(Path(__file__).parent / "train_entry.py")
 SMALL = dict(target="tiny", threads=1, draft_vocab=512, ttt_steps=3)
+# validation, two epochs and checkpoints mid-epoch: 26 training samples / global batch 4 = 7 steps an epoch
+VALIDATED = dict(val_fraction=0.2, epochs=2, checkpoint_every=4, keep_checkpoints=10)
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +78,7 @@ def launched(store, tmp_path_factory):
     exact = dict(store=store, micro_batch=2, dtype="fp32", lr=1e-2, **SMALL)
     jobs["ddp"] = [torchrun({**exact, "out": root / "ddp"}, ids_dir=root / "ddp-ids")]
     jobs["fsdp"] = [torchrun({**exact, "out": root / "fsdp", "parallel": "fsdp", "json": True})]
+    jobs["fsdp-val"] = [torchrun({**VALIDATED, **exact, "out": root / "fsdp-val", "parallel": "fsdp"})]
     port = free_port()  # two nodes of one process each; 32 samples = 2 x 16: 0 padded
     nodes = dict(store=store, out=root / "nodes", micro_batch=3, **SMALL)
     jobs["nodes"] = [torchrun(nodes, nproc=1, ids_dir=root / "nodes-ids", port=port,
@@ -128,6 +132,45 @@ def test_fsdp2_equals_one_process(launched, reference):
     assert json.loads(line)["world_size"] == 2
     np.testing.assert_allclose([m["loss_i"] for m in metrics(run_dir)],
                                [m["loss_i"] for m in metrics(ref)], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_fsdp2_with_validation_checkpoints_and_resume_equals_one_process(store, launched, tmp_path):
+    """FSDP2 with a validation pass at each epoch's end and checkpoints within epochs: the same losses and
+    validation figures as one process; a copy cut back to its mid-epoch-2 checkpoint resumes under FSDP2 to the
+    same end. (Validation runs forwards with no backward, after which FSDP2 had left its parameters unsharded:
+    the epoch-end checkpoint then failed with a KeyError on both ranks.)"""
+    run_dir, _, (proc,) = launched["fsdp-val"]
+    one = tmp_path / "one"
+    run(TrainConfig(quiet=True, store=str(store), out=str(one), micro_batch=2, grad_accum=2, dtype="fp32", lr=1e-2,
+                    **VALIDATED, **SMALL))
+    code, _, err = finish(proc)
+    assert code == 0, err[-3000:]
+
+    def validation(d):
+        return [json.loads(x) for x in (Path(d) / "validation.jsonl").read_text().splitlines()]
+
+    assert [v["epoch"] for v in validation(run_dir)] == [0, 1]
+    for a, b in zip(validation(one), validation(run_dir)):
+        np.testing.assert_allclose(b["loss_i"], a["loss_i"], rtol=1e-5)
+    np.testing.assert_allclose([m["loss_i"] for m in metrics(run_dir)], [m["loss_i"] for m in metrics(one)],
+                               rtol=1e-5)
+    cut = tmp_path / "cut"
+    shutil.copytree(run_dir, cut)
+    steps = sorted(int(p.name.split("-")[1]) for p in (cut / "checkpoints").iterdir())
+    assert 8 in steps and steps[-1] == 14
+    for s in steps:
+        if s > 8:
+            shutil.rmtree(cut / "checkpoints" / f"step-{s:08d}")
+    for name in ("final", "summary.json"):
+        shutil.rmtree(cut / name) if (cut / name).is_dir() else (cut / name).unlink()
+    resumed = torchrun({**VALIDATED, "store": store, "micro_batch": 2, "dtype": "fp32", "lr": 1e-2,
+                        **SMALL, "out": cut, "parallel": "fsdp", "resume": True})
+    code, _, err = finish(resumed)
+    assert code == 0, err[-3000:]
+    assert "resume:" in err and "step 8" in err
+    np.testing.assert_allclose([m["loss_i"] for m in metrics(cut)], [m["loss_i"] for m in metrics(one)], rtol=1e-5)
+    np.testing.assert_allclose(validation(cut)[-1]["loss_i"], validation(one)[-1]["loss_i"], rtol=1e-5)
 
 
 def test_two_nodes_on_one_machine_shard_by_global_rank(store, launched):

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from eyas.core import dist
@@ -115,7 +115,16 @@ def validation_sums(model: nn.Module, batches, head_rows: torch.Tensor, t2d: tor
             logp, index = sparse_target_logp(b.final, head_rows, needed_rows(valid))
             ls, c, n = model(b.input_ids, b.aux, logp, index, b.loss_mask, b.position_ids, b.doc_ids)
         sums += torch.stack([ls.double().cpu(), c.double().cpu(), n.double().cpu()])
+    reshard(model)
     return dist.all_reduce_sum(sums.flatten().tolist(), env)
+
+
+def reshard(model: nn.Module) -> None:
+    """Give FSDP2 back its sharded parameters after forwards without a backward (validation): it leaves the root
+    module's parameters unsharded after its forward, expecting the backward to reshard them, and the optimizer
+    (and its checkpoint) holds the sharded ones. Nothing to do for DDP or one process."""
+    if isinstance(model, FSDPModule):
+        model.reshard()
 
 
 def autocast(device: str, dtype: str):
