@@ -82,6 +82,11 @@ def test_toml_stages_and_their_errors(tmp_path):
     assert RunConfig(config="x.toml").config == "x.toml"
 
 
+def kept(run: Path, name: str, why: str, file: str = "metrics.jsonl") -> list[str | None]:
+    """The content of `file` (None: not there) in every folder `eyas run` set aside for `name` because of `why`."""
+    return [(d / file).read_text() if (d / file).is_file() else None for d in sorted(run.glob(f"{name}.kept-*-{why}*"))]
+
+
 def test_force_clears_a_resuming_stage_only_inside_the_run(tmp_path):
     run = tmp_path / "run"
     (run / "train").mkdir(parents=True)
@@ -95,12 +100,13 @@ def test_force_clears_a_resuming_stage_only_inside_the_run(tmp_path):
     stage = Stage("plan", "plan", {"samples": 10, "world_size": 2, "quiet": True}, fresh=(str(run / "train"),))
     run_stage(stage, run, Console(quiet=True), force=True)
     assert not (run / "train").exists() and (run / "stages" / "plan.json").is_file()
+    assert kept(run, "train", "force") == ["{}\n"]  # set aside, not deleted
     (run / "train").mkdir()  # its output again; same settings: cached, kept
     run_stage(stage, run, Console(quiet=True))
     assert (run / "train").is_dir()
     changed = Stage("plan", "plan", {"samples": 12, "world_size": 2, "quiet": True}, fresh=(str(run / "train"),))
-    run_stage(changed, run, Console(quiet=True))  # other settings: the old output cannot be resumed, so it goes
-    assert not (run / "train").exists()
+    run_stage(changed, run, Console(quiet=True))  # other settings: the old output cannot be resumed: set aside
+    assert not (run / "train").exists() and kept(run, "train", "settings-changed") == [None]  # the empty folder
 
 
 def test_a_stage_that_failed_is_cleared_when_rerun_with_other_settings(tmp_path):
@@ -115,8 +121,9 @@ def test_a_stage_that_failed_is_cleared_when_rerun_with_other_settings(tmp_path)
         run_stage(again, run, Console(quiet=True))  # same settings: its partial output is kept for resuming
     assert (run / "train" / "checkpoint").is_file()
     fixed = Stage("plan", "plan", {"samples": 10, "world_size": 2, "quiet": True}, fresh=(str(run / "train"),))
-    run_stage(fixed, run, Console(quiet=True))  # other settings: the partial output cannot be resumed, so it goes
+    run_stage(fixed, run, Console(quiet=True))  # other settings: the partial output cannot be resumed: set aside
     assert not (run / "train").exists() and (run / "stages" / "plan.json").is_file()
+    assert kept(run, "train", "settings-changed", "checkpoint") == ["partial"]  # hours of work never deleted
     assert not (run / "stages" / "plan.started").exists()
 
 

@@ -200,6 +200,28 @@ def test_bad_speculators_type_and_pickles(tiny_target, tmp_path):
         import_(bad, tmp_path / "out")
 
 
+@pytest.mark.parametrize("command", ["export", "import"])
+def test_overwrite_never_deletes_what_the_command_did_not_write(tiny_target, tmp_path, command):
+    """A copy of a training run (checkpoints, metrics) given as --out with --overwrite is refused and left whole;
+    the command's own earlier output is replaced."""
+    make_checkpoint(tiny_target, tmp_path / "ckpt")
+    run_copy = tmp_path / "run-copy"
+    (run_copy / "checkpoints" / "step-00000010").mkdir(parents=True)
+    (run_copy / "checkpoints" / "step-00000010" / "model.safetensors").write_bytes(b"hours of training")
+    (run_copy / "metrics.jsonl").write_text('{"step": 10}\n')
+    do = (lambda out, **kw: export(tmp_path / "ckpt", "eagle3", out, **kw)) if command == "export" else None
+    if command == "import":
+        export(tmp_path / "ckpt", "eagle3", tmp_path / "exported")
+        do = lambda out, **kw: import_(tmp_path / "exported", out, **kw)  # noqa: E731
+    with pytest.raises(EyasError, match=f"(?s)refuses to replace .*not a folder `eyas {command}` wrote"):
+        do(run_copy, overwrite=True)
+    assert (run_copy / "checkpoints" / "step-00000010" / "model.safetensors").read_bytes() == b"hours of training"
+    assert (run_copy / "metrics.jsonl").read_text() == '{"step": 10}\n'
+    do(tmp_path / "mine")
+    do(tmp_path / "mine", overwrite=True)
+    assert (tmp_path / "mine" / "model.safetensors").is_file()
+
+
 def test_export_refuses_bad_checkpoint_and_keeps_existing(tiny_target, tmp_path):
     make_checkpoint(tiny_target, tmp_path / "ckpt")
     (tmp_path / "out").mkdir()
@@ -207,8 +229,13 @@ def test_export_refuses_bad_checkpoint_and_keeps_existing(tiny_target, tmp_path)
     with pytest.raises(EyasError, match="already exists"):
         export(tmp_path / "ckpt", "eagle3", tmp_path / "out")
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
-    export(tmp_path / "ckpt", "eagle3", tmp_path / "out", overwrite=True)
-    assert not (tmp_path / "out" / "keep.txt").exists() and (tmp_path / "out" / "model.safetensors").exists()
+    with pytest.raises(EyasError, match="refuses to replace"):  # not an export: --overwrite never deletes it
+        export(tmp_path / "ckpt", "eagle3", tmp_path / "out", overwrite=True)
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+    (tmp_path / "out" / "keep.txt").unlink()
+    export(tmp_path / "ckpt", "eagle3", tmp_path / "out", overwrite=True)  # an empty folder is taken
+    export(tmp_path / "ckpt", "speculators", tmp_path / "out", overwrite=True)  # its own export is replaced
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["speculators_model_type"] == "eagle3"
     w = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
     del w["norm.weight"]
     save_file(w, str(tmp_path / "ckpt" / "model.safetensors"))

@@ -165,7 +165,7 @@ def test_existing_output_is_kept_unless_overwrite(fast_target, inputs, tmp_path)
     assert read_summary(out)["data"] == [inputs[1]]
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "precious.txt").write_text("keep me")
-    with pytest.raises(EyasError, match="not a prepared dataset"):
+    with pytest.raises(EyasError, match="not a folder `eyas prepare` wrote"):
         run(PrepareConfig(target="tiny", data=(inputs[0],), out=str(tmp_path / "other"), overwrite=True, quiet=True))
     assert (tmp_path / "other" / "precious.txt").read_text() == "keep me"
 

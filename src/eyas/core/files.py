@@ -1,4 +1,5 @@
-"""Reading and writing the small files every stage keeps beside its output: JSON and TOML.
+"""Reading and writing the small files every stage keeps beside its output (JSON and TOML), and the output folders
+a command writes whole (replaced only when they are its own, never anything else).
 
 Writes are atomic (a temp file, fsync, rename): a crash leaves the old file or the new one, never half of one.
 Reads are guarded: a missing, unreadable, cut-short or wrong-shaped file is an EyasError naming the file, what is
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import time
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -65,3 +68,77 @@ def read_toml(path: str | Path, fix: str) -> dict:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise EyasError(f"{path}: invalid TOML: {e}", fix="fix the syntax at the line named") from None
+
+
+# ---------------------------------------------------------------- output folders a command owns
+
+OUTPUT_MARKER = ".eyas-output.json"  # in a folder a command wrote whole: {"command": ..., "written": ...}
+
+
+def staged_output(out: Path, command: str, overwrite: bool, legacy=None) -> Path:
+    """A fresh temp folder beside `out`, for a command that writes `out` whole; `publish_output` moves it in.
+
+    An existing `out` is refused unless --overwrite is given and it is this command's own output: its marker names
+    the command (`legacy(out)` may recognise folders written before markers were). Anything else, such as a
+    training run, a checkpoint or another command's output, is never replaced."""
+    check_replaceable(out, command, overwrite, legacy)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)  # our own temp folder, left by this pid's earlier crash
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def check_replaceable(out: Path, command: str, overwrite: bool, legacy=None) -> None:
+    if not out.exists():
+        return
+    if not overwrite:
+        raise EyasError(f"{out} already exists", "eyas never overwrites a folder unasked",
+                        "choose another --out, or pass --overwrite")
+    if out.is_dir() and (not any(out.iterdir()) or output_command(out) == command or (legacy and legacy(out))):
+        return
+    raise EyasError(f"--overwrite refuses to replace {out}",
+                    f"it is not a folder `eyas {command}` wrote (no {OUTPUT_MARKER} naming it): --overwrite replaces "
+                    "only a command's own output, never a training run, a checkpoint or another command's folder",
+                    "choose another --out, or move that folder away yourself if it is no longer needed")
+
+
+def output_command(folder: Path) -> str | None:
+    """The command whose marker `folder` holds, or None."""
+    marker = folder / OUTPUT_MARKER
+    if not marker.is_file():
+        return None
+    try:
+        return json.loads(marker.read_text(encoding="utf-8")).get("command")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def publish_output(tmp: Path, out: Path, command: str) -> None:
+    """Mark `tmp` as `command`'s output, flush it to disk and move it onto `out`; an old `out` (checked by
+    `staged_output`) is removed only once the new one is in place."""
+    write_json(tmp / OUTPUT_MARKER, {"command": command, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    for p in tmp.rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    if out.exists():
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def move_aside(path: Path, why: str) -> Path:
+    """Rename `path` to a sibling named for when and why it was set aside (`NAME.kept-20261201-2130-settings-
+    changed`), so nothing is deleted; -> the new path."""
+    slug = "".join(c if c.isalnum() else "-" for c in why.lower()).strip("-")[:40]
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    dest = path.with_name(f"{path.name}.kept-{stamp}-{slug}")
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = path.with_name(f"{path.name}.kept-{stamp}-{slug}-{n}")
+    os.replace(path, dest)
+    return dest

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 import shutil
 import time
 from pathlib import Path
@@ -25,8 +24,7 @@ from typing import Literal
 import numpy as np
 
 from eyas.core.config import StageConfig, check, opt
-from eyas.core.errors import EyasError
-from eyas.core.files import write_json
+from eyas.core.files import check_replaceable, publish_output, staged_output, write_json
 from eyas.core.log import console, fmt_duration, fmt_int
 from eyas.core.target import DEFAULT_TARGET, load_target
 from eyas.data.chat import ChatRenderer
@@ -173,30 +171,15 @@ def _process(cfg: PrepareConfig, renderer, writer: _Writer, dropped: Issues, not
     return read + dropped.total() - late
 
 
-def _check_out(out: Path, overwrite: bool) -> None:
-    if not out.exists():
-        return
-    if not overwrite:
-        raise EyasError(f"output folder {out} already exists", fix="choose another --out, or pass --overwrite")
-    if any(out.iterdir()) and not (out / "summary.json").is_file():
-        raise EyasError(f"--overwrite refuses to replace {out}", "it is not a prepared dataset (no summary.json)",
-                        "choose another --out")
-
-
-def _install(tmp: Path, out: Path) -> None:
-    """Move the finished folder into place; an old dataset is removed only after the new one is there."""
-    old = out.with_name(f".{out.name}.old{os.getpid()}")
-    if out.exists():
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old.exists():
-        shutil.rmtree(old)
+def _legacy_dataset(out: Path) -> bool:
+    """A prepared dataset written before output markers: its summary and train split."""
+    return (out / "summary.json").is_file() and (out / "train").is_dir()
 
 
 def run(cfg: PrepareConfig) -> dict:
     con = console(0, cfg.quiet, cfg.json)
     out = Path(cfg.out)
-    _check_out(out, cfg.overwrite)
+    check_replaceable(out, "prepare", cfg.overwrite, _legacy_dataset)
     for spec in cfg.data:  # a missing file fails now, before the target is loaded
         resolve_data(spec)
     t0 = time.perf_counter()
@@ -206,7 +189,7 @@ def run(cfg: PrepareConfig) -> dict:
     if renderer.fallback:
         con.print(f"{target.name} has no chat template: using eyas's plain-text fallback (docs/prepare.md)")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    tmp = staged_output(out, "prepare", cfg.overwrite, _legacy_dataset)
     dropped, notes = Issues(), Issues(keep=5)
     try:
         writer = _Writer(tmp / "_arrow")
@@ -214,7 +197,7 @@ def run(cfg: PrepareConfig) -> dict:
         writer.save(tmp)
         summary = _summary(cfg, target, writer, samples_in, dropped, notes, renderer.fallback, time.perf_counter() - t0)
         write_json(tmp / "summary.json", summary)
-        _install(tmp, out)
+        publish_output(tmp, out, "prepare")
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)

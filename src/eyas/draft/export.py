@@ -18,8 +18,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
-import shutil
 from pathlib import Path
 from typing import Literal
 
@@ -28,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from eyas.core.config import StageConfig, check, opt
 from eyas.core.errors import EyasError
-from eyas.core.files import read_json, write_json
+from eyas.core.files import check_replaceable, publish_output, read_json, staged_output, write_json
 from eyas.core.log import console, fmt_bytes
 from eyas.core.paths import inside
 from eyas.core.target import BUILTINS, resolve_source
@@ -202,40 +200,6 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _fsync_tree(folder: Path) -> None:
-    for p in folder.iterdir():
-        with open(p, "rb") as f:
-            os.fsync(f.fileno())
-
-
-def publish(tmp: Path, out: Path) -> None:
-    """Move a finished temp folder to `out`; an existing `out` (allowed by --overwrite) is replaced only now."""
-    _fsync_tree(tmp)
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, out)
-
-
-def refuse_existing(out: Path, overwrite: bool) -> None:
-    if out.exists() and not overwrite:
-        raise EyasError(f"{out} already exists", "eyas never overwrites a folder unasked",
-                        "choose another --out, or pass --overwrite")
-
-
-def staging(out: Path, overwrite: bool) -> Path:
-    """A fresh temp folder beside `out`, renamed onto it by `publish` once every file is written."""
-    refuse_existing(out, overwrite)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    return tmp
-
-
 def read_checkpoint(folder: Path) -> tuple[dict, DraftConfig, dict[str, torch.Tensor]]:
     """(config.json, DraftConfig, weights) of an eyas checkpoint, checked against Eagle3Draft's own state dict."""
     meta = read_json(folder / CONFIG_FILE, DRAFT_FIX)
@@ -267,7 +231,7 @@ class ExportConfig(StageConfig):
                         "default: the checkpoint's built-in target")
     speculative_tokens: int = opt(3, "speculators only: draft tokens per step that `vllm serve DIR` uses")
     embed: bool = opt(True, "include embed_tokens (self-contained); --no-embed lets engines take the target's")
-    overwrite: bool = opt(False, "replace an existing output folder")
+    overwrite: bool = opt(False, "replace an existing output folder that eyas export wrote (nothing else)")
 
     def __post_init__(self):
         check(bool(self.checkpoint), "no checkpoint given", "run `eyas export CHECKPOINT --format eagle3|speculators`")
@@ -300,7 +264,7 @@ def run(cfg: ExportConfig) -> dict:
     meta, dc, state = read_checkpoint(src)
     check(dc.num_layers == 1, f"{src}: the draft has {dc.num_layers} layers",
           "export supports the one-layer EAGLE-3 draft every engine's LlamaForCausalLMEagle3 loads; train with 1 layer")
-    refuse_existing(out, cfg.overwrite)
+    check_replaceable(out, "export", cfg.overwrite)
     tensors = to_engine(state, dc, cfg.format, DTYPES[cfg.dtype], cfg.embed)
     check_weights(cfg.format, tensors, dims(dc), str(out))
     prov = provenance(meta, src)
@@ -312,11 +276,11 @@ def run(cfg: ExportConfig) -> dict:
         config = speculators_config(dc, cfg.dtype, verifier, cfg.speculative_tokens, prov)
     check_config(cfg.format, config, dc, str(out))
 
-    tmp = staging(out, cfg.overwrite)
+    tmp = staged_output(out, "export", cfg.overwrite)
     save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "producer": "eyas"})
     write_json(tmp / CONFIG_FILE, config)
     (tmp / "README.md").write_text(model_card(cfg.format, dc, meta, verifier[0]), encoding="utf-8")
-    publish(tmp, out)
+    publish_output(tmp, out, "export")
     size = (out / WEIGHTS_FILE).stat().st_size
     summary = {"format": cfg.format, "out": str(out), "tensors": len(tensors), "bytes": size, "dtype": cfg.dtype,
                "draft_vocab_size": dc.draft_vocab_size, "vllm_layer_ids": list(dc.feature_layers),

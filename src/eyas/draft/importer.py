@@ -11,7 +11,7 @@ import torch
 
 from eyas.core.config import StageConfig, check, opt
 from eyas.core.errors import EyasError
-from eyas.core.files import read_json
+from eyas.core.files import check_replaceable, publish_output, read_json, staged_output
 from eyas.core.log import console
 from eyas.core.target import default_feature_layers, load_target
 from eyas.draft.checkpoint import CONFIG_FILE, save_draft
@@ -21,10 +21,7 @@ from eyas.draft.export import (
     VARIANT_FLAGS,
     check_weights,
     dims,
-    publish,
     read_safetensors,
-    refuse_existing,
-    staging,
 )
 from eyas.draft.model import DraftConfig, Eagle3Draft
 
@@ -37,7 +34,7 @@ class ImportConfig(StageConfig):
     target: str = opt("smollm2-135m", "the target the draft runs on (built-in name or HF folder): its identity, its "
                       "layer count and its embed_tokens when the draft has none")
     layers: tuple[int, ...] = opt((), "HF hidden_states indices of the draft's features, when its config has none")
-    overwrite: bool = opt(False, "replace an existing output folder")
+    overwrite: bool = opt(False, "replace an existing output folder that eyas import wrote (nothing else)")
 
     def __post_init__(self):
         check(bool(self.source), "no draft folder given", "run `eyas import DIR`")
@@ -160,7 +157,7 @@ def run_import(cfg: ImportConfig) -> dict:
     fmt = detect_format(raw, src)
     layer = raw["transformer_layer_config"] if fmt == "speculators" else raw
     tensors = normalise_keys(read_safetensors(src), src)
-    refuse_existing(out, cfg.overwrite)
+    check_replaceable(out, "import", cfg.overwrite)
     target = load_target(cfg.target)
     dc, how = foreign_config(raw, layer, target, cfg.layers, src)
     check_weights("eagle3", tensors, dims(dc), str(src), relaxed=("embed_tokens.weight", "d2t", "t2d"))
@@ -171,11 +168,11 @@ def run_import(cfg: ImportConfig) -> dict:
           f"pass the --target it was trained for (given: {cfg.target})")
     model = Eagle3Draft(dc)
     model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}, strict=True)
-    tmp = staging(out, cfg.overwrite)
+    tmp = staged_output(out, "import", cfg.overwrite)
     extra = {k: prov[k] for k in ("data", "training", "evaluation") if k in prov}
     save_draft(model, tmp, extra={**extra, "imported_from": {"path": str(src), "format": fmt, "layers_from": how,
                                                                  "embed_tokens_from": embed}})
-    publish(tmp, out)
+    publish_output(tmp, out, "import")
     summary = {"source": str(src), "format": fmt, "out": str(out), "feature_layers": list(dc.feature_layers),
                "layers_from": how, "embed_tokens_from": embed, "draft_vocab_size": dc.draft_vocab_size}
     con.summary(f"import: {fmt} draft {src} -> eyas checkpoint {out} (features {list(dc.feature_layers)} from {how}; "

@@ -13,7 +13,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 
 from eyas.core.config import from_mapping, to_argv
 from eyas.core.errors import EyasError
-from eyas.core.files import read_json, write_json
+from eyas.core.files import move_aside, read_json, write_json
 from eyas.core.log import Console, fmt_duration
 from eyas.pipeline.commands import load_stage
 from eyas.store.extract import SUMMARY_FILE as EXTRACT_SUMMARY
@@ -144,7 +143,8 @@ def run_stage(stage: Stage, run_dir: Path, con: Console, force: bool = False, up
 
 
 def _clear(stage: Stage, run_dir: Path, con: Console, why: str) -> None:
-    """Remove what a resuming stage would otherwise continue from; never anything outside the run."""
+    """Set aside what a resuming stage would otherwise continue from: renamed beside itself (when and why in its
+    name), never deleted, and never anything outside the run."""
     root = run_dir.resolve()
     for folder in stage.fresh:
         path = Path(folder).resolve()
@@ -152,8 +152,9 @@ def _clear(stage: Stage, run_dir: Path, con: Console, why: str) -> None:
             raise EyasError(f"stage {stage.name} would clear {path}, which is not inside the run folder {root}",
                             fix="give the stage an output folder inside the run")
         if path.exists():
-            con.print(f"[{stage.name}] {why}: removing the earlier output {path}")
-            shutil.rmtree(path)
+            kept = move_aside(path, why)
+            con.print(f"[{stage.name}] {why}: the earlier output is kept as {kept} (remove it when you no longer "
+                      "need it); the stage starts afresh", force=True)
 
 
 def run_pipeline(stages: list[Stage], run_dir: Path, con: Console, force: bool = False) -> dict[str, dict]:
