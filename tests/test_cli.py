@@ -51,3 +51,11 @@ def test_cli_help_and_unknown_command(capsys):
     assert "extract" in capsys.readouterr().out
     assert cli.main(["frobnicate"]) == 2
     assert "unknown command" in capsys.readouterr().err
+
+
+def test_interrupted_run_names_the_command_that_resumes_it():
+    """Ctrl-C: the line printed resumes the run as given; train needs --resume (a plain rerun is refused)."""
+    want = "eyas train --store s --out r --resume"
+    assert cli.resume_command("train", ["train", "--store", "s", "--out", "r"]) == want
+    assert cli.resume_command("train", ["train", "--resume"]) == "eyas train --resume"
+    assert cli.resume_command("extract", ["extract", "--store", "a b"]) == "eyas extract --store 'a b'"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eyas.core.errors import EyasError
+from eyas.core.errors import EyasError, Incomplete
 from eyas.data.regenerate import RegenerateConfig, read_done, run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -158,6 +158,13 @@ def read_out(path):
     return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines()]
 
 
+def run_incomplete(c: RegenerateConfig) -> dict:
+    """A run that leaves conversations to do ends Incomplete (the CLI exits 3), carrying what it did."""
+    with pytest.raises(Incomplete, match="left to do") as e:
+        run(c)
+    return e.value.summary
+
+
 def cfg(data, out, url, **kw):
     base = dict(data=(str(data),), out=str(out), server=url, concurrency=3, retries=3, retry_time=5, timeout=5,
                 quiet=True)
@@ -210,15 +217,15 @@ def test_failing_server_is_reported_and_done_work_kept(servers, tmp_path, quick_
     monkeypatch.setattr("eyas.data.server.GIVE_UP_AFTER", 4)
     srv = servers(ok_then_fail=5)
     data, out = make_data(tmp_path, 30), tmp_path / "out.jsonl"
-    summary = run(cfg(data, out, srv.url, concurrency=1, retries=2, model="m"))
+    summary = run_incomplete(cfg(data, out, srv.url, concurrency=1, retries=2, model="m"))
     kept = read_out(out)
     assert len(kept) == summary["done"] >= 2 and summary["failed"] == 4
     assert summary["failures"]["http-500"]["count"] == 4
     assert summary["failures"]["http-500"]["examples"][0]["where"].startswith(f"{data}:")
     assert "after 3 attempts" in summary["failures"]["http-500"]["examples"][0]["detail"]
     assert summary["stopped_early"] and summary["not_started"] == 30 - summary["done"] - 4
-    healthy = servers()
-    summary = run(cfg(data, out, healthy.url))
+    healthy = servers()  # the same model, served again elsewhere: the rerun resumes
+    summary = run(cfg(data, out, healthy.url, model="m"))
     got = read_out(out)
     assert summary["skipped"] == len(kept) and summary["done"] == 30 - len(kept)
     assert sorted(r["id"] for r in got) == sorted(expected_records(data)) and got[: len(kept)] == kept
@@ -230,7 +237,7 @@ def test_refused_connection_is_retried_then_reported(tmp_path, quick_retries):
         port = s.getsockname()[1]  # closed again: nothing listens there
     data, out = make_data(tmp_path, 3), tmp_path / "out.jsonl"
     url = f"http://127.0.0.1:{port}"
-    summary = run(cfg(data, out, url, retries=2, model="m"))
+    summary = run_incomplete(cfg(data, out, url, retries=2, model="m"))
     assert summary["failed"] == 3 and summary["failures"]["connection-error"]["count"] == 3
     assert read_out(out) == []
     with pytest.raises(EyasError, match="cannot list the models"):
@@ -248,7 +255,7 @@ def test_api_key_is_sent_and_never_shown(servers, tmp_path, monkeypatch, capsys)
     keyfile = tmp_path / "key"
     keyfile.write_text(secret + "\n")
     assert run(cfg(data, tmp_path / "o2.jsonl", srv.url, api_key_file=str(keyfile)))["done"] == 3
-    wrong = run(cfg(data, tmp_path / "o3.jsonl", srv.url, retries=3))  # no key: 401 is not retried
+    wrong = run_incomplete(cfg(data, tmp_path / "o3.jsonl", srv.url, retries=3))  # no key: 401 is not retried
     assert wrong["failures"]["http-401"]["count"] == 3 and "after" not in json.dumps(wrong["failures"])
     seen = capsys.readouterr()
     for text in (seen.out, seen.err, json.dumps(summary), out.read_text()):
@@ -384,3 +391,43 @@ def test_max_prompt_tokens_leaves_out_long_prompts_and_counts_them(local_tiny, t
     assert summary["failed"] == 0 and summary["failures"] == {}  # a choice, not a failure a rerun would retry
     assert summary["left_out"] == 1 and summary["not_started"] == 0
     assert f"{n_long} tokens exceed --max-prompt-tokens 40" in json.dumps(summary["left_out_reasons"])
+
+
+def test_resume_under_other_generation_settings_is_refused_and_overwrite_starts_anew(servers, tmp_path):
+    """Replies made under one --max-new-tokens (or temperature) are never silently mixed with others: the resume is
+    refused, naming what changed, and leaves the file as it was; --overwrite generates every reply again."""
+    srv = servers()
+    data, out = make_data(tmp_path, 6), tmp_path / "out.jsonl"
+    assert run(cfg(data, out, srv.url, max_new_tokens=16))["done"] == 6
+    data.write_text(data.read_text() + json.dumps({"question": "one more"}) + "\n")  # ids: file stem + line
+    before = out.read_text()
+    for changed, said in ((dict(max_new_tokens=8), "max_new_tokens 16 then, 8 now"),
+                          (dict(max_new_tokens=16, temperature=0.7), "temperature 0.0 then, 0.7 now")):
+        with pytest.raises(EyasError, match=said):
+            run(cfg(data, out, srv.url, **changed))
+        assert out.read_text() == before
+    again = run(cfg(data, out, srv.url, max_new_tokens=16))  # the same settings: resumes
+    assert again["done"] == 1 and again["skipped"] == 6
+    fresh = run(cfg(data, out, srv.url, max_new_tokens=8, overwrite=True))
+    assert fresh["done"] == 7 and fresh["skipped"] == 0 and len(read_out(out)) == 7
+    with pytest.raises(EyasError, match="not a regenerated conversation"):  # --overwrite replaces only its own
+        other = tmp_path / "notes.jsonl"
+        other.write_text('{"my": "notes"}\n')
+        run(cfg(data, other, srv.url, overwrite=True))
+    assert (tmp_path / "notes.jsonl").read_text() == '{"my": "notes"}\n'
+
+
+def test_a_run_stopped_early_exits_3_with_what_is_left_and_how_to_resume(servers, tmp_path, quick_retries,
+                                                                          monkeypatch, capsys):
+    from eyas.cli import main
+
+    monkeypatch.setattr("eyas.data.server.GIVE_UP_AFTER", 3)
+    srv = servers(ok_then_fail=2)
+    data, out = make_data(tmp_path, 12), tmp_path / "out.jsonl"
+    code = main(["regenerate", "--data", str(data), "--out", str(out), "--server", srv.url, "--concurrency", "1",
+                 "--retries", "1", "--model", "m", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert "left to do" in err and "rerun the same command" in err
+    done = len(read_out(out))
+    assert "of 12 conversations left to do" in err and f"{done} were written" in err

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
 from eyas import __version__
 from eyas.core.config import add_arguments, from_namespace
-from eyas.core.errors import EyasError
+from eyas.core.errors import EyasError, Incomplete
 from eyas.pipeline.commands import COMMANDS, load_stage
 
 
@@ -38,9 +39,9 @@ def main(argv: list[str] | None = None) -> int:
         print(_top_help())
         return 0
     if argv[0] == "--version":
-
         print(f"eyas {__version__}")
         return 0
+    cfg = command = None
     try:
         command, rest = _split_command(argv)
         cls, run = load_stage(command)
@@ -51,13 +52,27 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(cfg, "json", False) and summary is not None:
             print(json.dumps(summary, default=str))
         return 0
+    except Incomplete as e:  # completed work kept, the rest to do: not a success, not a failure to fix first
+        if getattr(cfg, "json", False):
+            print(json.dumps(e.summary, default=str))
+        print(f"eyas: incomplete: {e}", file=sys.stderr)
+        return 3
     except EyasError as e:
         print(f"eyas: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("eyas: interrupted; completed work is kept, rerun the same command to resume", file=sys.stderr)
+        print(f"eyas: interrupted; completed work is kept. To resume: {resume_command(command, argv)}",
+              file=sys.stderr)
         return 130
 
+
+def resume_command(command: str | None, argv: list[str]) -> str:
+    """The command line that continues an interrupted run: the same one, and for train with --resume (a train
+    rerun without it is refused, so that two runs never mix in one folder)."""
+    args = list(argv)
+    if command == "train" and "--resume" not in args:
+        args.append("--resume")
+    return "eyas " + " ".join(shlex.quote(a) for a in args)
 
 if __name__ == "__main__":
     raise SystemExit(main())

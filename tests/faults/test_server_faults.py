@@ -21,6 +21,7 @@ import pytest
 
 from eyas.core.errors import EyasError
 from eyas.data.regenerate import RegenerateConfig, run
+from tests.test_regenerate import run_incomplete
 
 TIMEOUT = 0.4  # --timeout: seconds one request may take
 RETRY_TIME = 1.6  # --retry-time: seconds one request may spend in retries
@@ -221,7 +222,7 @@ def test_fault_forever_fails_its_conversations_only(servers, tmp_path, fault, fa
     srv = servers(lambda n, body: fault if body["messages"][0]["content"] in DOOMED else "ok")
     data, out = write_data(tmp_path), tmp_path / "out.jsonl"
     t0 = time.monotonic()
-    summary = run(cfg(data, out, srv.url, quiet=False))
+    summary = run_incomplete(cfg(data, out, srv.url, quiet=False))
     elapsed = time.monotonic() - t0
     want = expected(data)
     doomed_ids = {"c1", "c5"}
@@ -299,7 +300,7 @@ def test_a_server_down_stops_the_run_in_bounded_time(servers, tmp_path, monkeypa
     srv = servers(lambda n, body: "ok" if n < 2 else "hang")  # answers two conversations, then hangs forever
     data, out = write_data(tmp_path, 40), tmp_path / "out.jsonl"
     t0 = time.monotonic()
-    summary = run(cfg(data, out, srv.url, concurrency=1, timeout=0.3, retry_time=0.6))
+    summary = run_incomplete(cfg(data, out, srv.url, concurrency=1, timeout=0.3, retry_time=0.6))
     elapsed = time.monotonic() - t0
     assert summary["stopped_early"] and summary["failures"]["timeout"]["count"] == 3
     assert summary["done"] == 2 and summary["not_started"] == 40 - 2 - 3

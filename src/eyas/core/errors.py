@@ -20,6 +20,15 @@ class EyasError(Exception):
         super().__init__("\n  ".join(parts))
 
 
+class Incomplete(EyasError):
+    """A stage stopped before the end with its completed work kept (the CLI exits 3): `summary` is what it did,
+    `fix` the command that resumes it."""
+
+    def __init__(self, what: str, why: str, fix: str, summary: dict):
+        super().__init__(what, why, fix)
+        self.summary = summary
+
+
 _DISK_FULL = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the disk quota is exceeded",
               errno.EFBIG: "the file size limit is reached (ulimit -f, or the file system's largest file)"}
 

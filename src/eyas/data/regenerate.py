@@ -29,7 +29,8 @@ import torch
 
 from eyas.core.config import StageConfig, check, opt
 from eyas.core.dist import pick_device
-from eyas.core.errors import EyasError
+from eyas.core.errors import EyasError, Incomplete
+from eyas.core.files import read_json, write_json
 from eyas.core.generate import BatchGenerator, supports
 from eyas.core.log import console, fmt_duration, fmt_int
 from eyas.core.target import DEFAULT_TARGET, load_target
@@ -72,6 +73,8 @@ class RegenerateConfig(StageConfig):
     retry_time: float = opt(600.0, "server backend: seconds one request may spend in retries, in total")
     api_key_file: str = opt("", "file holding the server's API key (else $EYAS_API_KEY; the key is never printed)")
     trust_remote_code: bool = opt(False, "let transformers run code shipped with a target folder")
+    overwrite: bool = opt(False, "start --out anew (its replies and their settings are replaced), e.g. after changing "
+                                 "a generation setting; without it a rerun resumes, under the same settings only")
 
     def __post_init__(self):
         check(len(self.data) > 0, "no input data given", "pass --data FILE... (or a shorthand such as mt-bench)")
@@ -87,6 +90,10 @@ class RegenerateConfig(StageConfig):
         check(self.timeout > 0 and self.retry_time >= 0 and self.retries >= 0,
               "--timeout must be positive and --retries, --retry-time not negative", "use the defaults")
         check(bool(self.out), "--out is empty", "name the output JSONL file")
+
+
+TOO_LONG = "prompt-too-long"  # exceeds the target's context: a rerun cannot fix it
+PERMANENT = {TOO_LONG, LEFT_OUT}
 
 
 class LocalBackend:
@@ -128,7 +135,7 @@ class LocalBackend:
     def _too_long(self, n: int) -> Failed:
         if self.cfg.max_prompt_tokens and n > self.cfg.max_prompt_tokens:
             return Failed(LEFT_OUT, f"{n} tokens exceed --max-prompt-tokens {self.cfg.max_prompt_tokens}")
-        return Failed("prompt-too-long", f"{n} tokens + --max-new-tokens {self.cfg.max_new_tokens} exceed the context")
+        return Failed(TOO_LONG, f"{n} tokens + --max-new-tokens {self.cfg.max_new_tokens} exceed the context")
 
     def generate(self, prompts: list[list[dict]]) -> list[Reply | Failed]:
         """One reply per prompt (a Failed for a prompt too long for the target's context)."""
@@ -259,16 +266,61 @@ def lock_output(out: Path):
     return f
 
 
+def generation_settings(cfg: RegenerateConfig, model: str) -> dict:
+    """What the replies depend on, recorded beside the output (OUT.settings.json): a resume under other values
+    would mix replies made two ways in one file. `model` is the model that answers (the server's name for it, or
+    the local target); the server's address is not one of them (a server restarted elsewhere resumes)."""
+    s = {"model": model, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
+         "max_turns": cfg.max_turns}
+    if cfg.temperature > 0:
+        s |= {"top_p": cfg.top_p, "seed": cfg.seed}
+    if not cfg.server:
+        s["dtype"] = cfg.dtype
+    return s
+
+
+def settings_file(out: Path) -> Path:
+    return out.with_name(out.name + ".settings.json")
+
+
+def start_anew(out: Path) -> None:
+    """--overwrite: remove the output and its settings, once `out` is known to be regenerate's own output."""
+    if out.is_file():
+        read_done(out)  # refuses a file that is not regenerate's output: --overwrite replaces nothing else
+        out.unlink()
+    settings_file(out).unlink(missing_ok=True)
+
+
+def check_settings(cfg: RegenerateConfig, out: Path, model: str, con) -> None:
+    """Refuse to add replies to `out` under other generation settings than those it holds (--overwrite starts it
+    anew); record the settings of a new output."""
+    mine, side = generation_settings(cfg, model), settings_file(out)
+    if side.is_file() and out.is_file() and out.stat().st_size:
+        before = read_json(side, f"remove {side} and {out} to start anew, or choose another --out")
+        diff = sorted(k for k in set(before) | set(mine) if before.get(k) != mine.get(k))
+        if diff:
+            raise EyasError(f"{out} holds replies made under other settings: "
+                            + ", ".join(f"{k} {before.get(k)!r} then, {mine.get(k)!r} now" for k in diff),
+                            "resuming would mix replies generated two ways in one file",
+                            f"rerun with the settings recorded in {side}, choose another --out, or pass --overwrite "
+                            "to generate every reply again")
+    elif out.is_file() and out.stat().st_size:
+        con.print(f"{out}: written by an older eyas that did not record its generation settings; resuming under "
+                  f"these ({side} now records them)", force=True)
+    write_json(side, mine)
+
+
 def _run(cfg: RegenerateConfig, con, out: Path) -> dict:
+    if cfg.overwrite:
+        start_anew(out)
     done = read_done(out, con)
     issues = Issues()
     todo, skipped = pending(cfg, done, issues)
     t0 = time.perf_counter()
-    if cfg.server:
-
-        backend = ServerBackend(cfg, con) if todo else None
-    else:
-        backend = LocalBackend(cfg, con) if todo else None
+    backend = None
+    if todo:  # nothing to add: nothing can be mixed
+        backend = ServerBackend(cfg, con) if cfg.server else LocalBackend(cfg, con)
+        check_settings(cfg, out, backend.name if cfg.server else cfg.target, con)
     con.print(f"regenerate: {fmt_int(len(todo))} conversations to do, {fmt_int(skipped)} already in {out}")
     bar = con.progress(total=len(todo), desc="regenerate", unit="conv")
     sink = Sink(out, bar)
@@ -283,6 +335,13 @@ def _run(cfg: RegenerateConfig, con, out: Path) -> dict:
         bar.close()
     summary = _summary(cfg, backend, sink, issues, len(todo), skipped, stopped, time.perf_counter() - t0)
     _report(con, summary, sink.failures, issues, sink.left_out)
+    retry = summary["not_started"] + sum(n for reason, n in sink.failures.counts.items() if reason not in PERMANENT)
+    if retry:
+        raise Incomplete(f"regenerate stopped with {fmt_int(retry)} of {fmt_int(len(todo))} conversations left to do"
+                         + (f" ({summary['stopped_early']})" if summary["stopped_early"] else ""),
+                         f"{fmt_int(sink.done)} were written to {out} and are kept",
+                         "rerun the same command to do the rest (it skips what is written)"
+                         + ("; check the server first" if cfg.server else ""), summary)
     return summary
 
 
