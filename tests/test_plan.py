@@ -90,8 +90,8 @@ def _fake_disk(free):
 
 def test_run_storage_and_disk(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("eyas.train.plan.shutil.disk_usage", _fake_disk(10**12))
-    out = run(PlanConfig(samples=35_446, world_size=4, epochs=5, steps_per_s=1.4, tokens=87_800_000, hidden_size=7168,
-                         num_layers=61, store=str(tmp_path / "not" / "yet")))
+    out = run(PlanConfig(samples=35_446, world_size=4, micro_batch=1, epochs=5, steps_per_s=1.4, tokens=87_800_000,
+                         hidden_size=7168, num_layers=61, store=str(tmp_path / "not" / "yet")))
     text = capsys.readouterr().out
     assert out["plan"]["micro_batches_per_rank_per_epoch"] == 8_862
     s = out["storage"]
@@ -126,8 +126,8 @@ def test_prepared_dir_without_summary(tmp_path):
 def test_cli(capsys):
     from eyas.cli import main
 
-    assert main(["plan", "--samples", "35446", "--world-size", "4", "--epochs", "5", "--steps-per-s", "1.4",
-                 "--json"]) == 0
+    assert main(["plan", "--samples", "35446", "--world-size", "4", "--micro-batch", "1", "--epochs", "5",
+                 "--steps-per-s", "1.4", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["plan"]["optimizer_steps_total"] == 44_310
     assert out["plan"]["eta_unsharded_s"] == pytest.approx(126_592.86)
@@ -151,3 +151,11 @@ def test_agrees_with_the_sampler(n, w, b, g, drop):
         assert len(s.steps) == p.optimizer_steps_per_epoch
         assert s.num_samples == p.samples_per_rank_per_epoch
     assert shards[0].padded_units == p.padded_samples and shards[0].dropped_units == p.dropped_samples
+
+
+def test_plan_assumes_the_trainers_defaults():
+    """`eyas plan` with no batch flags plans the run `eyas train` with no batch flags makes."""
+    from eyas.train.trainer import TrainConfig
+
+    for name in ("micro_batch", "grad_accum", "epochs", "drop_remainder"):
+        assert getattr(PlanConfig(samples=10), name) == getattr(TrainConfig(), name), name

@@ -360,3 +360,36 @@ def test_tensorboard_flag_says_what_is_missing():
         pytest.skip("tensorboard is installed")
     with pytest.raises(EyasError, match="needs the tensorboard package"):
         TrainConfig(tensorboard=True)
+
+
+def test_eta_counts_max_steps(store, tmp_path, capsys):
+    """The ETA is that of the steps the run takes: --max-steps 8 of 3 epochs x 8 planned steps."""
+    run(TrainConfig(quiet=False, store=str(store), out=str(tmp_path / "r"), max_steps=8, epochs=3, micro_batch=4,
+                    **SMALL))
+    err = capsys.readouterr().err
+    plan = json.loads((tmp_path / "r" / "plan.json").read_text())
+    rate = plan["steps_per_s"]
+    assert plan["optimizer_steps_run"] == 8 and plan["optimizer_steps_total"] == 24
+    assert abs(plan["eta_s"] * rate - 8) < 1e-6  # not 24 steps' worth
+    assert "for the run's 8 optimizer steps (--max-steps 8 of 24 planned)" in err
+
+
+def test_an_explicit_omp_num_threads_wins(store, tmp_path, monkeypatch):
+    """OMP_NUM_THREADS=1 set by the user is what train uses (it used the machine's 2 cores regardless), and the
+    plan says why; --threads wins over both."""
+    from eyas.core.dist import cpu_threads
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        kw = {**SMALL, "threads": 0}
+        run(TrainConfig(quiet=True, store=str(store), out=str(tmp_path / "r"), max_steps=1, **kw))
+        plan = json.loads((tmp_path / "r" / "plan.json").read_text())
+        assert plan["threads_per_rank"] == 1 and plan["threads_why"] == "OMP_NUM_THREADS=1"
+        assert torch.get_num_threads() == 1
+        assert cpu_threads(3, 1) == (3, "--threads")
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        cores = len(os.sched_getaffinity(0))
+        assert cpu_threads(0, 2) == (max(1, cores // 2), f"{cores} cores shared by 2 ranks")
+    finally:
+        torch.set_num_threads(before)

@@ -38,6 +38,10 @@ DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "float32": 4, 
 STORED_LAYERS = 4  # three feature layers (low|mid|high, the draft's input) + the final hidden state (its target)
 
 
+# eyas train's defaults, which eyas plan assumes too: one definition for both
+MICRO_BATCH, GRAD_ACCUM, EPOCHS = 4, 1, 1
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -206,9 +210,9 @@ class PlanConfig(StageConfig):
     data: str = opt("", "a prepared dataset folder: samples and tokens come from DIR/summary.json")
     tokens: int = opt(0, "dataset tokens (global) for the storage estimate; 0 = from --data, or no estimate")
     world_size: int = opt(1, "ranks (processes, usually one per GPU)")
-    micro_batch: int = opt(1, "samples per micro-batch, per rank")
-    grad_accum: int = opt(1, "micro-batches per optimizer step (gradient accumulation)")
-    epochs: int = opt(1, "epochs")
+    micro_batch: int = opt(MICRO_BATCH, "samples per micro-batch, per rank (eyas train's default)")
+    grad_accum: int = opt(GRAD_ACCUM, "micro-batches per optimizer step (gradient accumulation)")
+    epochs: int = opt(EPOCHS, "epochs")
     drop_remainder: bool = opt(False, "drop what does not fill a whole global batch (default: pad with repeats)")
     steps_per_s: float = opt(0.0, "measured optimizer steps per second of one rank, for the ETA; 0 = no ETA")
     target: str = opt("", "target name, model folder or .gguf, for its hidden size (or give --hidden-size)")

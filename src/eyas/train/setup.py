@@ -96,7 +96,7 @@ class TrainParts:
 
 
 def setup(cfg, env, con) -> TrainParts:
-    threads = tune_process(cfg.threads, env)
+    threads, threads_why = tune_process(cfg.threads, env)
     torch.manual_seed(cfg.seed)
     out, dtype = Path(cfg.out), resolve_dtype(cfg.dtype, env.device)
     ckpt = resume_point(cfg, env, con, out)
@@ -111,8 +111,8 @@ def setup(cfg, env, con) -> TrainParts:
     if ckpt:
         load_optimizer_state(model, optimizer, ckpt.optimizer_state)
     spec, val_spec = samplers(cfg, env)
-    steps, total, warmup, plan, plan_json = make_plan(cfg, env, con, train_src, spec, vocab_info, threads, dtype,
-                                                      data_record)
+    steps, total, warmup, plan, plan_json = make_plan(cfg, env, con, train_src, spec, vocab_info,
+                                                      (threads, threads_why), dtype, data_record)
     if env.is_main:
         write_json(out / "plan.json", plan_json)
     progress, validation, audits = restored(ckpt, out, env)
@@ -148,16 +148,16 @@ def skipped_data(train_src, ckpt: ResumePoint | None, con) -> dict:
     return record
 
 
-def tune_process(threads: int, env) -> int:
-    """Threads per rank (the node's cores shared among its ranks), and glibc told to keep freed memory
+def tune_process(threads: int, env) -> tuple[int, str]:
+    """(threads per rank, why: eyas.core.dist.cpu_threads), and glibc told to keep freed memory
     (eyas.core.memory.tune_allocator: otherwise every step page-faults its large logit buffers in again; measured
     here 2-3x slower casts and weight-gradient matmuls)."""
-    if not env.device.startswith("cuda"):
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        threads = threads or max(1, cores // max(1, env.local_world_size))
-        torch.set_num_threads(threads)
     tune_allocator()
-    return threads or torch.get_num_threads()
+    if env.device.startswith("cuda"):
+        return torch.get_num_threads(), "torch's default (the GPU computes)"
+    threads, why = dist.cpu_threads(threads, env.local_world_size)
+    torch.set_num_threads(threads)
+    return threads, why
 
 
 def resume_point(cfg, env, con, out: Path) -> ResumePoint | None:
@@ -277,7 +277,8 @@ def samplers(cfg, env) -> tuple[ShardSpec, ShardSpec]:
     return train, val
 
 
-def make_plan(cfg, env, con, train_src, spec: ShardSpec, vocab: dict, threads: int, dtype: str, data: dict):
+def make_plan(cfg, env, con, train_src, spec: ShardSpec, vocab: dict, threads: tuple[int, str], dtype: str,
+              data: dict):
     """(optimizer steps per epoch (compute_plan's; packing varies them), steps this run takes, warmup steps, the
     plan, RUN/plan.json's content), the plan block printed on the console."""
     lengths = np.asarray(train_src.lengths)
@@ -301,14 +302,15 @@ def make_plan(cfg, env, con, train_src, spec: ShardSpec, vocab: dict, threads: i
                         f"; per epoch {', '.join(fmt_int(s) for s in steps)} (packing varies)"))
     lines.append(f"plan: draft vocabulary {fmt_int(vocab['size'])} tokens covering {100 * vocab['coverage']:.2f}% of "
                  f"the loss-masked training tokens ({fmt_int(vocab['distinct_seen'])} distinct ids seen)")
-    lines.append(f"plan: {env.world_size} ranks x {threads} threads, {dtype}, "
+    lines.append(f"plan: {env.world_size} ranks x {threads[0]} threads ({threads[1]}), {dtype}, "
                  f"{cfg.parallel if env.distributed else 'one process'}, device {env.device}, TTT {cfg.ttt_steps}, "
                  f"warmup {fmt_int(warmup)} steps, then cosine to step {fmt_int(total)}")
     for line in lines:
         con.print(line)
     plan_json = {**plan.to_dict(), "optimizer_steps_run": total, "steps_per_epoch_actual": steps,
                  "max_tokens": cfg.max_tokens, "units_per_epoch": units, "vocab": vocab, "dtype": dtype,
-                 "threads_per_rank": threads, "parallel": cfg.parallel, "lines": lines, "data": data}
+                 "threads_per_rank": threads[0], "threads_why": threads[1], "parallel": cfg.parallel, "lines": lines,
+                 "data": data}
     return steps, total, warmup, plan, plan_json
 
 

@@ -43,7 +43,7 @@ from eyas.train.engine import (
     no_sync,
     validation_sums,
 )
-from eyas.train.plan import compute_plan
+from eyas.train.plan import EPOCHS, GRAD_ACCUM, MICRO_BATCH, compute_plan
 from eyas.train.setup import TrainParts, setup
 from eyas.train.sharding import audit, shard_epoch
 from eyas.train.state import Progress
@@ -65,10 +65,10 @@ class TrainConfig(StageConfig):
                                        "truncated, instead of stopping")
     val_store: str = opt("", "hidden-state store for the validation pass; empty: hold out --val-fraction")
     val_fraction: float = opt(0.0, "share of the training samples held out for validation (without --val-store)")
-    epochs: int = opt(1, "passes over the training data")
+    epochs: int = opt(EPOCHS, "passes over the training data")
     max_steps: int = opt(0, "stop after this many optimizer steps (0 = all epochs); the LR schedule spans them")
-    micro_batch: int = opt(4, "samples (or packed sequences) per micro-batch, per rank")
-    grad_accum: int = opt(1, "micro-batches per optimizer step, per rank")
+    micro_batch: int = opt(MICRO_BATCH, "samples (or packed sequences) per micro-batch, per rank")
+    grad_accum: int = opt(GRAD_ACCUM, "micro-batches per optimizer step, per rank")
     max_tokens: int = opt(0, "pack samples into sequences of at most this many tokens (0 = one sample per row)")
     drop_remainder: bool = opt(False, "drop what does not fill a whole global batch (default: pad with repeats)")
     group_window: int = opt(32, "sort the samples of this many optimizer steps by length, so a micro-batch holds "
@@ -293,12 +293,15 @@ class Trainer:
         timed = compute_plan(plan.samples, plan.world_size, plan.micro_batch, plan.grad_accum, plan.epochs,
                              plan.drop_remainder, steps_per_s=rate, tokens=plan.tokens)
         remaining = p.total_steps - self.progress.step
-        left = remaining / rate
+        left, whole = remaining / rate, p.total_steps / rate  # this run's steps: --max-steps counted
         self.say(f"plan: measured {rate:.2f} optimizer steps/s per rank -> {fmt_duration(left)} left for the "
                  f"{fmt_int(remaining)} remaining steps (global, all ranks step together)")
-        self.say(timed.lines()[-1])
+        cut = f" (--max-steps {self.cfg.max_steps} of {fmt_int(sum(p.steps_per_epoch))} planned)" \
+            if p.total_steps < sum(p.steps_per_epoch) else ""
+        self.say(f"plan: ETA {fmt_duration(whole)} for the run's {fmt_int(p.total_steps)} optimizer steps{cut} at "
+                 f"{rate:.2f} optimizer steps/s per rank")
         if self.env.is_main:
-            write_json(p.out / "plan.json", {**p.plan_json, **timed.to_dict(), "remaining_eta_s": left})
+            write_json(p.out / "plan.json", {**p.plan_json, **timed.to_dict(), "eta_s": whole, "remaining_eta_s": left})
 
     def say(self, line: str) -> None:
         """A console line (rank 0), written above the progress bar when one is showing."""
