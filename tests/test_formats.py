@@ -129,7 +129,7 @@ def test_malformed_json_array_element_reports_its_line(tmp_path):
                     encoding="utf-8")
     convs, issues = parse_file(path)
     assert len(convs) == 1 and issues.counts == {"malformed-json": 1}
-    assert issues.places["malformed-json"][0]["where"] == f"{path}:3"
+    assert issues.places["malformed-json"][0]["where"] == f"{path}:3 (record 1)"
 
 
 def test_missing_file_is_one_clear_error(tmp_path):
@@ -182,7 +182,7 @@ def test_bom_and_bad_bytes_in_a_json_array(tmp_path):
                      + b'{"question": "caf\xe9", "answer": "x"}\n]')
     convs, issues = parse_file(path)
     assert [c.messages for c in convs] == [SINGLE] and issues.counts == {"invalid-utf8": 1}
-    assert issues.places["invalid-utf8"][0]["where"] == f"{path}:3"
+    assert issues.places["invalid-utf8"][0]["where"] == f"{path}:3 (record 1)"
 
 
 def test_writingbench_queries_are_prompts(tmp_path):

@@ -190,3 +190,28 @@ def test_cli_and_validation(fast_target, inputs, tmp_path, capsys):
         PrepareConfig(data=("a",), validation=1.0)
     with pytest.raises(EyasError, match="not a prepared dataset"):
         open_prepared(tmp_path / "nowhere", "train")
+
+
+def test_an_input_without_records_is_an_error_naming_the_file(fast_target, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(EyasError, match=f"no usable conversation in {empty}"):
+        run(PrepareConfig(target="tiny", data=(str(empty),), out=str(tmp_path / "p"), quiet=True))
+    assert not (tmp_path / "p").exists()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"nope": 1}\n')
+    with pytest.raises(EyasError, match="(?s)1 records read, all dropped: .*unknown-format"):
+        run(PrepareConfig(target="tiny", data=(str(bad),), out=str(tmp_path / "p"), quiet=True))
+
+
+def test_records_of_a_one_line_json_array_are_placed_by_index_and_all_kept(fast_target, tmp_path):
+    """A JSON array written on one line: every bad record is named by its index (it was 'array.json:1' for all),
+    and the good ones keep distinct default ids (they all were 'array:1', so all but the first were dropped as
+    duplicates)."""
+    arr = tmp_path / "array.json"
+    arr.write_text(json.dumps([{"question": "a?"}, {"nope": 1}, {"question": "b?"}, {"question": "c?"}]))
+    s = run(PrepareConfig(target="tiny", data=(str(arr),), out=str(tmp_path / "p"), validation=0, quiet=True))
+    assert s["samples"]["train"] == 3
+    (example,) = s["dropped_by_reason"]["unknown-format"]["examples"]
+    assert example["where"] == f"{arr}:1.1 (record 1)"
+    assert sorted(r["id"] for r in open_prepared(tmp_path / "p", "train").ds) == ["array:1", "array:1.2", "array:1.3"]

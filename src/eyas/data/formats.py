@@ -201,22 +201,30 @@ def _jsonl(path: Path, issues: Issues) -> Iterator[tuple[str, None, object]]:
 
 
 def _json_array(path: Path, text: str, issues: Issues) -> Iterator[tuple[str, None, object]]:
-    """Elements of a top-level JSON array one by one, so each knows its line; an error ends the file."""
+    """Elements of a top-level JSON array one by one, each placed by its line and its index in the array
+    (`file:LINE (record K)`); a later element starting on the same line as an earlier one (an array written on
+    one line) is placed at `LINE.N`, so that no two records share a place or a default id. An error ends the
+    file."""
     dec, i, line, counted = json.JSONDecoder(), text.index("[") + 1, 1, 0
+    k, on_line, last_line = 0, 0, 0
     while True:
         i = _skip_ws(text, i)
         line, counted = line + text.count("\n", counted, i), i
         if i < len(text) and text[i] == "]":
             return
+        on_line = on_line + 1 if line == last_line else 0
+        last_line = line
+        place = f"{path}:{line}" + (f".{on_line}" if on_line else "") + f" (record {k})"
         try:
             obj, i = dec.raw_decode(text, i)
         except json.JSONDecodeError as e:
-            issues.add("malformed-json", f"{path}:{line}", f"{e.msg}; the rest of the file is skipped")
+            issues.add("malformed-json", place, f"{e.msg}; the rest of the file is skipped")
             return
         except RecursionError:
-            issues.add("too-deep", f"{path}:{line}", f"{TOO_DEEP}; the rest of the file is skipped")
+            issues.add("too-deep", place, f"{TOO_DEEP}; the rest of the file is skipped")
             return
-        yield f"{path}:{line}", None, obj
+        yield place, None, obj
+        k += 1
         i = _skip_ws(text, i)
         if i < len(text) and text[i] == ",":
             i += 1
@@ -265,7 +273,7 @@ def parse_record(rec: object, *, path: Path, where: str, key: str | None = None)
             raise FormatError("empty-message", f"an empty {m.role} message")
     if not any(m.role == "user" for m in messages):
         raise FormatError("no-user-message")
-    line = where.rsplit(":", 1)[-1] if key is None else key
+    line = where.rsplit(":", 1)[-1].split(" ", 1)[0] if key is None else key  # "12", or "1.3" (see _json_array)
     rid = _text(key if key is not None else _own_id(rec) or f"{path.stem}:{line}", "the id")  # written as UTF-8
     source = _text(rec["source"], "source") if isinstance(rec.get("source"), str) else f"{fmt}:{path.name}"
     return Conversation(id=rid, messages=messages, source=source, where=where)

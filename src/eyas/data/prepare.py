@@ -24,6 +24,7 @@ from typing import Literal
 import numpy as np
 
 from eyas.core.config import StageConfig, check, opt
+from eyas.core.errors import EyasError
 from eyas.core.files import check_replaceable, publish_output, staged_output, write_json
 from eyas.core.log import console, fmt_duration, fmt_int
 from eyas.core.target import DEFAULT_TARGET, load_target
@@ -194,6 +195,12 @@ def run(cfg: PrepareConfig) -> dict:
     try:
         writer = _Writer(tmp / "_arrow")
         samples_in = _process(cfg, renderer, writer, dropped, notes, con)
+        if not sum(writer.samples.values()):
+            files = ", ".join(str(f) for s in cfg.data for f in resolve_data(s))
+            raise EyasError(f"prepare: no usable conversation in {files}",
+                            (f"{samples_in} records read, all dropped: " + "; ".join(dropped.lines()))
+                            if samples_in else "the input holds no records at all (an empty file?)",
+                            "give files holding chat records (docs/prepare.md lists the formats)")
         writer.save(tmp)
         summary = _summary(cfg, target, writer, samples_in, dropped, notes, renderer.fallback, time.perf_counter() - t0)
         write_json(tmp / "summary.json", summary)
