@@ -59,3 +59,42 @@ def test_interrupted_run_names_the_command_that_resumes_it():
     assert cli.resume_command("train", ["train", "--store", "s", "--out", "r"]) == want
     assert cli.resume_command("train", ["train", "--resume"]) == "eyas train --resume"
     assert cli.resume_command("extract", ["extract", "--store", "a b"]) == "eyas extract --store 'a b'"
+
+
+def test_every_dtype_spelling_is_accepted_by_every_command():
+    """`--dtype fp32` and `--dtype float32` (bf16/bfloat16, fp16/float16) mean the same to every command that has
+    a dtype; each keeps its own spelling inside, and a TOML table takes them too."""
+    import argparse
+    import dataclasses
+
+    from eyas.core.config import DTYPE_ALIASES
+    from eyas.pipeline.commands import COMMANDS, load_stage
+
+    seen = 0
+    for command in COMMANDS:
+        cls, _ = load_stage(command)
+        field = next((f for f in dataclasses.fields(cls) if f.name == "dtype"), None)
+        if field is None:
+            continue
+        parser = argparse.ArgumentParser()
+        add_arguments(parser, cls)
+        action = next(a for a in parser._actions if a.dest == "dtype")
+        own = tuple(action.choices)
+        for group in DTYPE_ALIASES:
+            mine = [c for c in own if c in group]
+            if not mine:
+                continue
+            for spelling in group + (f"torch.{group[-1]}",):
+                assert action.type(spelling) == mine[0], (command, spelling)
+        seen += 1
+    assert seen >= 6  # prepare-less stages: regenerate, extract, train, evaluate, export, plan
+
+
+def test_a_dtype_from_a_toml_table_is_normalised_or_refused():
+    from eyas.speculate.evaluate import EvalConfig
+    from eyas.train.trainer import TrainConfig
+
+    assert from_mapping(EvalConfig, {"dtype": "fp32"}).dtype == "float32"
+    assert from_mapping(TrainConfig, {"dtype": "bfloat16"}).dtype == "bf16"
+    with pytest.raises(EyasError, match="dtype 'int4' in arguments is not one eyas knows"):
+        from_mapping(TrainConfig, {"dtype": "int4"})

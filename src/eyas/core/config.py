@@ -58,6 +58,28 @@ def _unwrap(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+# Every spelling of a dtype, accepted by every command's --dtype; each command keeps its own spelling internally.
+DTYPE_ALIASES = (("bf16", "bfloat16"), ("fp32", "float32", "float"), ("fp16", "float16", "half"))
+
+
+def dtype_spelling(value: Any, choices: tuple[str, ...]) -> Any:
+    """A dtype given in any spelling (bf16 / bfloat16, fp32 / float32, fp16 / float16, torch.bfloat16) -> the one
+    among `choices`, a command's own; anything else is returned as it is, for the choices check to name."""
+    if not isinstance(value, str):
+        return value
+    v = value.strip().lower().removeprefix("torch.")
+    for group in DTYPE_ALIASES:
+        if v in group:
+            return next((c for c in choices if c in group), v)
+    return v
+
+
+def _choices(tp: Any, meta) -> tuple | None:
+    if meta.get("choices"):
+        return tuple(meta["choices"])
+    return typing.get_args(tp) if typing.get_origin(tp) is Literal else None
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -84,6 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             kwargs["type"] = tp if tp in (int, float, str) else str
         if meta.get("choices"):
             kwargs["choices"] = meta["choices"]
+        if f.name == "dtype" and kwargs.get("choices"):  # any spelling, mapped to this command's
+            kwargs["type"] = lambda s, c=tuple(kwargs["choices"]): dtype_spelling(s, c)
         if meta.get("positional"):
             if origin in (tuple, list):
                 kwargs["nargs"] = "+" if default in ((), None) else "*"
@@ -106,11 +130,18 @@ def from_mapping(cls: type, values: dict, source: str = "arguments") -> Any:
             f"use one of: {', '.join(sorted(names))}",
         )
     hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     clean = {}
     for k, v in values.items():
         tp, _ = _unwrap(hints[k])
         if typing.get_origin(tp) in (tuple, list) and isinstance(v, list):
             v = tuple(v)
+        choices = _choices(tp, fields[k].metadata)
+        if k == "dtype" and choices:
+            v = dtype_spelling(v, choices)
+            if v not in choices:
+                raise EyasError(f"dtype {values[k]!r} in {source} is not one eyas knows",
+                                fix=f"use one of {', '.join(choices)} (or bf16/bfloat16, fp32/float32, fp16/float16)")
         clean[k] = v
     try:
         return cls(**clean)

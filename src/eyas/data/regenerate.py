@@ -64,7 +64,8 @@ class RegenerateConfig(StageConfig):
                          "(transformers generate, any model); auto = lean where it applies",
                          choices=("auto", "lean", "hf"))
     device: str = opt("auto", "local backend: auto, cpu, cuda, cuda:1, ...")
-    dtype: str = opt("float32", "local backend: float32, bfloat16 or float16")
+    dtype: str = opt("float32", "local backend: float32, bfloat16 or float16",
+                     choices=("float32", "bfloat16", "float16"))
     server: str = opt("", "OpenAI-compatible server URL (e.g. http://127.0.0.1:8000); empty: generate locally")
     model: str = opt("", "model name sent to the server; empty: the first one its /v1/models lists")
     concurrency: int = opt(8, "server backend: conversations in flight")
