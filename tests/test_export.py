@@ -180,6 +180,9 @@ def _broken(tmp_path, tiny_target, fmt="eagle3", edit_w=None, edit_cfg=None) -> 
     (lambda w: w.update({"d2t": torch.zeros(500, dtype=torch.long)}), None, "'t2d' disagrees with 'd2t'"),
     (None, lambda c: c.update({"architectures": ["LlamaForCausalLM"]}), "unknown draft format"),
     (None, lambda c: c.update({"norm_before_residual": True}), "norm_before_residual"),
+    (None, lambda c: c.update({"norm_before_fc": True}), "norm_before_fc = true is an EAGLE-3 variant"),
+    (None, lambda c: c.update({"norm_output": True}), "norm_output = true is an EAGLE-3 variant"),
+    (None, lambda c: c.update({"sliding_window": 2048}), "sliding_window = 2048: the draft attends to a window"),
     (None, lambda c: c.pop("hidden_size"), "config field 'hidden_size' is missing"),
     (None, lambda c: c.update({"vocab_size": 1000}), "vocab_size 1000"),
 ])
@@ -331,3 +334,10 @@ def test_docs_cite_every_engine_key():
     for src in spec["sources"].values():
         for commit in [src.get("commit"), *src.get("commits", {}).values()]:
             assert commit is None or commit in doc, commit
+
+
+@pytest.mark.parametrize("edit", [{"sliding_window": None}, {"sliding_window": 4096, "use_sliding_window": False}])
+def test_a_disabled_sliding_window_imports(tiny_target, tmp_path, edit):
+    """Full attention stated either way (no window, or a window switched off) is eyas's own attention."""
+    good = _broken(tmp_path, tiny_target, edit_cfg=lambda c: c.update(edit))
+    assert import_(good, tmp_path / "out")["format"] == "eagle3"

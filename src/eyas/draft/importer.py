@@ -109,6 +109,12 @@ def foreign_config(raw: dict, layer: dict, target, given: tuple[int, ...], where
     for key in VARIANT_FLAGS:
         check(not raw.get(key, layer.get(key)), f"{where}: {key} = true is an EAGLE-3 variant eyas does not implement",
               "evaluate this draft in its own engine, or retrain it without the flag")
+    window = raw.get("sliding_window", layer.get("sliding_window"))
+    windowed = window is not None and layer.get("use_sliding_window", raw.get("use_sliding_window")) is not False
+    check(not windowed, f"{where}: sliding_window = {window!r}: the draft attends to a window of {window} tokens, "
+          "eyas's draft to the whole context (its tau and outputs would differ from how it was trained)",
+          "if it was in fact trained with full attention (a field copied from the verifier's config), set "
+          "sliding_window to null in config.json; otherwise evaluate it in its own engine")
     rope = layer.get("rope_parameters") or layer.get("rope_scaling") or {}
     check(rope.get("rope_type", rope.get("type", "default")) == "default", f"{where}: rope scaling {rope!r}",
           "eyas's draft implements the default (unscaled) rotary embedding only")
