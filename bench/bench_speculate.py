@@ -127,7 +127,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--new", type=int, default=96)
-    ap.add_argument("--skip", nargs="*", default=(), help="parts to skip: latency draft e2e")
+    ap.add_argument("--skip", nargs="*", default=(), help="parts to skip: latency draft e2e quant")
+    ap.add_argument("--draft", default="untrained", help="draft for the quant part (a trained one: its tau moves)")
     ap.add_argument("--draft-prefix", type=int, default=300, help="committed positions before the timed proposals")
     ap.add_argument("--out", default="/tmp/eyas-bench-speculate")
     args = ap.parse_args(argv)
@@ -166,6 +167,20 @@ def main(argv=None):
                 "draft_step_ms", "verify_ms")} | {"lossless": c["lossless"]["identical"]} for c in r["configs"]]}
             print(f"== {name}")
             print(json.dumps(res[name], indent=1))
+    if "quant" not in args.skip:  # int8 draft linears against the draft as trained: same prompts, fixed k
+        runs = {}
+        for quant in ("none", "int8"):
+            cfg = EvalConfig(target=args.target, draft=args.draft, bench="mt_bench", num_prompts=args.prompts,
+                             max_new_tokens=args.new, chain=(3,), baselines=(), adaptive=False, hf_generate=False,
+                             dtype=args.dtype, threads=args.threads, draft_quant=quant, quiet=True,
+                             out=os.path.join(args.out, f"quant_{quant}"))
+            runs[quant] = run(cfg)["configs"][0]
+        res["quant"] = {q: {k: c[k] for k in ("tau", "speedup", "draft_step_ms")} for q, c in runs.items()}
+        n, q = res["quant"]["none"], res["quant"]["int8"]
+        print(f"draft precision ({args.draft}, chain k=3, {args.prompts} MT-Bench prompts): as trained tau "
+              f"{n['tau']:.3f} speedup {n['speedup']:.2f}x, draft step {n['draft_step_ms']:.2f} ms; int8 linears tau "
+              f"{q['tau']:.3f} speedup {q['speedup']:.2f}x, draft step {q['draft_step_ms']:.2f} ms; "
+              f"tau int8/as trained {q['tau'] / n['tau']:.3f}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)

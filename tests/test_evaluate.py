@@ -112,3 +112,23 @@ def test_evaluate_end_to_end_on_the_tiny_target(tiny_target, tmp_path, capsys):
     for name in ("report.md", "acceptance_by_position.png", "tau_per_category.png", "speedup.png"):
         assert (out / name).stat().st_size > 0
     assert "lossless" in (out / "report.md").read_text()
+
+
+def test_evaluate_measures_the_draft_as_trained_and_says_so(tiny_target, tmp_path):
+    """bf16 on a CPU used to quantise the draft to int8 unasked (tau then was not the exported draft's): the default
+    is the draft as trained, and every report names the precision its figures come from."""
+    from eyas.cli import main
+
+    draft_dir = tmp_path / "draft"
+    save_draft(trained_draft(tiny_target), draft_dir)
+    bench = tmp_path / "b.jsonl"
+    bench.write_text('{"prompt": "What is 2+2?", "category": "math"}\n')
+    for quant, said in (("none", "bfloat16 as trained"), ("int8", "bfloat16, linears int8 weight-only")):
+        out = tmp_path / quant
+        args = ["evaluate", "--target", "tiny", "--draft", str(draft_dir), "--bench", str(bench), "--out", str(out),
+                "--chain", "2", "--max-new-tokens", "6", "--baselines", "--no-hf-generate", "--dtype", "bf16",
+                "--latency-prefix", "16", "--threads", "1", "--quiet"]
+        assert main(args + ([] if quant == "none" else ["--draft-quant", "int8"])) == 0
+        res = json.loads((out / "results.json").read_text())
+        assert res["draft"]["quant"] == quant and res["draft"]["precision"].startswith(said)
+        assert f"draft precision: {said}" in (out / "report.md").read_text()

@@ -401,7 +401,8 @@ def sec_evaluation(f: RunFiles, d: Loaded) -> tuple[str, bool]:
              f"({res.num('bench', 'turns')} turns), at most {res.num('settings', 'max_new_tokens')} new tokens per "
              f"turn, temperature {res.num('settings', 'temperature', fmt=',.1f')}; target in "
              f"{esc(res.get('target', 'dtype'))} on {esc(res.get('target', 'device'))} with {res.num('threads')} "
-             "threads. Every method ran on the same prompts in the same run, alternating prompt by prompt.</p>")
+             f"threads; draft {esc(res.get('draft', 'precision') or 'precision not recorded')}. Every method ran "
+             "on the same prompts in the same run, alternating prompt by prompt.</p>")
     rates = [(n, list(range(1, len(c.get("accept_rate_by_position") or []) + 1)), c.get("accept_rate_by_position"))
              for n, c in zip(names, configs)]
     charts = figures(

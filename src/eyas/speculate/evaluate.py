@@ -74,9 +74,9 @@ class EvalConfig(StageConfig):
     dtype: str = opt("bfloat16", "target and draft dtype", choices=("bfloat16", "float32", "float16"))
     device: str = opt("", "cpu, cuda, cuda:N; empty = cuda when available, else cpu")
     threads: int = opt(0, "CPU threads for torch (0 = torch's default)")
-    draft_quant: str = opt("auto", "int8: weight-only int8 draft linears (2x faster draft steps on CPU; proposals may "
-                           "shift slightly, outputs stay exact); auto = int8 on CPU in bf16",
-                           choices=("auto", "int8", "none"))
+    draft_quant: str = opt("none", "none: the draft as trained (what export writes and engines serve); int8: "
+                           "weight-only int8 draft linears on CPU (faster draft steps; proposals may shift, so tau "
+                           "is then not the exported draft's; outputs stay exact)", choices=("none", "int8"))
     runner: str = opt("auto", "target forward: lean (Llama family), hf (any model), auto",
                       choices=("auto", "lean", "hf"))
     latency_prefix: int = opt(300, "prefix length for the latency table t(q)")
@@ -264,8 +264,7 @@ def run(cfg: EvalConfig) -> dict:
     draft = load_draft(cfg.draft, target, device, target.dtype)
     extra = {b: load_draft(b, target, device, target.dtype) for b in cfg.baselines
              if b not in ("prompt-lookup", "oracle", "none", "")}
-    quant = cfg.draft_quant if cfg.draft_quant != "auto" else \
-        "int8" if device.type == "cpu" and target.dtype == torch.bfloat16 else "none"
+    quant = cfg.draft_quant
     if quant == "int8":
         if device.type != "cpu" or not hasattr(torch, "_weight_int8pack_mm"):
             raise EyasError("--draft-quant int8 needs the CPU and torch's int8 weight-only matmul",
@@ -291,10 +290,17 @@ def run(cfg: EvalConfig) -> dict:
     latency = {q: (latency[q] + latency2[q]) / 2 for q in qs}
     results = report.aggregate(cfg, target, draft, runner, items, methods, records, latency)
     results["draft"]["quant"] = quant
+    results["draft"]["precision"] = draft_precision(target.dtype, quant)
     results["files"] = report.write(results, Path(cfg.out), target.tokenizer)
     for line in report.summary_lines(results):
         con.print(line, force=not cfg.json)
     return results
+
+
+def draft_precision(dtype: torch.dtype, quant: str) -> str:
+    """The draft the figures were measured with, in words (every report shows it)."""
+    name = str(dtype).removeprefix("torch.")
+    return f"{name} as trained" if quant == "none" else f"{name}, linears int8 weight-only (not the exported draft)"
 
 
 @torch.inference_mode()

@@ -133,7 +133,8 @@ def _fmt(x, spec=".2f") -> str:
 
 def summary_lines(res: dict) -> list[str]:
     b = res["baseline"]
-    lines = ["latency t(q) ms: " + ", ".join(f"t({q})={v:.1f}" for q, v in res["latency_ms"].items()
+    lines = [f"draft precision: {res['draft'].get('precision', 'not recorded')}",
+             "latency t(q) ms: " + ", ".join(f"t({q})={v:.1f}" for q, v in res["latency_ms"].items()
                                              if int(q) in (1, 4, 8, 16, 32)),
              f"baseline: eyas greedy {_fmt(b['eyas_greedy']['tokens_per_s'], '.1f')} tok/s"
              + (f", transformers generate {_fmt(b['hf_generate']['tokens_per_s'], '.1f')} tok/s"
@@ -209,7 +210,7 @@ def _markdown(res: dict) -> str:
     s, t = res["settings"], res["target"]
     lines = [f"# eyas evaluate: {res['bench']['name']}", "",
              f"Target {t['name']} ({t['dtype']}, {t['device']}, {res['threads']} threads, runner {t['runner']}); "
-             f"draft `{res['draft']['path']}` (linears {res['draft'].get('quant', 'none')}); "
+             f"draft `{res['draft']['path']}` ({res['draft'].get('precision', 'precision not recorded')}); "
              f"{res['bench']['prompts']} prompts, {res['bench']['turns']} turns; "
              f"temperature {s['temperature']}, at most {s['max_new_tokens']} new tokens; adaptive {s['adaptive']}.", "",
              "```", *summary_lines(res), "```", "",
