@@ -13,7 +13,7 @@ import sys
 
 from eyas import __version__
 from eyas.core.config import add_arguments, from_namespace
-from eyas.core.errors import EyasError, Incomplete
+from eyas.core.errors import EyasError, Incomplete, unwritable
 from eyas.pipeline.commands import COMMANDS, load_stage
 
 
@@ -59,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     except EyasError as e:
         print(f"eyas: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a refused write anywhere in a stage: named, not a traceback
+        if (err := unwritable(e)) is None:
+            raise
+        print(f"eyas: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"eyas: interrupted; completed work is kept. To resume: {resume_command(command, argv)}",

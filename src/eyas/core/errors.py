@@ -29,6 +29,21 @@ class Incomplete(EyasError):
         self.summary = summary
 
 
+_UNWRITABLE = {errno.EACCES: "permission denied", errno.EPERM: "the operation is not permitted there",
+               errno.EROFS: "the file system is read-only"}
+
+
+def unwritable(e: BaseException) -> EyasError | None:
+    """The clear error for a write refused by the file system (a read-only folder or mount, another user's
+    folder), naming the path; None for any other error."""
+    why = _UNWRITABLE.get(getattr(e, "errno", None))
+    path = getattr(e, "filename", None)
+    if why is None or path is None:
+        return None
+    return EyasError(f"cannot write {path}: {why}", "the output goes to a place this process may not write",
+                     "choose an output path in a writable folder (--out, --store), or make that folder writable")
+
+
 _DISK_FULL = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the disk quota is exceeded",
               errno.EFBIG: "the file size limit is reached (ulimit -f, or the file system's largest file)"}
 

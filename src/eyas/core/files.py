@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 import time
 import tomllib
 from pathlib import Path
 from typing import Any
 
-from eyas.core.errors import EyasError
+from eyas.core.errors import EyasError, unwritable
 
 
 def write_json(path, obj) -> None:
@@ -142,3 +143,17 @@ def move_aside(path: Path, why: str) -> Path:
         dest = path.with_name(f"{path.name}.kept-{stamp}-{slug}-{n}")
     os.replace(path, dest)
     return dest
+
+
+def check_writable(path: Path) -> None:
+    """Refuse, naming the place, an output path this process may not write (a read-only folder or mount, another
+    user's folder), before any work; nothing is left behind (a probe file in the nearest existing folder)."""
+    here = Path(path).absolute()
+    while not here.exists() and here != here.parent:
+        here = here.parent
+    try:
+        with tempfile.TemporaryFile(dir=here if here.is_dir() else here.parent):
+            pass
+    except OSError as e:
+        e.filename = str(path)  # the output asked for (the probe's own name means nothing to the user)
+        raise (unwritable(e) or e) from None

@@ -33,7 +33,7 @@ import torch
 from eyas.core import dist
 from eyas.core.config import StageConfig, check, opt
 from eyas.core.errors import EyasError, disk_full
-from eyas.core.files import read_json, write_json
+from eyas.core.files import check_writable, read_json, write_json
 from eyas.core.log import console, fmt_bytes, fmt_duration, fmt_int
 from eyas.core.memory import tune_allocator
 from eyas.core.target import DEFAULT_TARGET, load_target
@@ -338,6 +338,8 @@ def _prepare_store(cfg, con, env, target, shards, lengths, settings, bpt) -> dic
                             f"rerun with the first run's settings (see {old}) or use a new --store folder")
     elif store.exists() and any(p.name != f"{SETTINGS_FILE}.tmp" for p in store.iterdir()):  # a kill's leftover
         raise EyasError(f"{store} exists and is not an extract in progress", fix="use a new or empty --store folder")
+    if not cfg.dry_run:
+        check_writable(store)  # before the disk check: a read-only place has no free space either
     done = _completed(store, shards, range(len(shards)))
     shard_bytes = [sum(lengths[r] for r in s) * bpt + HEADER_BYTES for s in shards]
     todo_bytes = sum(b for k, b in enumerate(shard_bytes) if k not in done)
