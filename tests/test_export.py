@@ -341,3 +341,35 @@ def test_a_disabled_sliding_window_imports(tiny_target, tmp_path, edit):
     """Full attention stated either way (no window, or a window switched off) is eyas's own attention."""
     good = _broken(tmp_path, tiny_target, edit_cfg=lambda c: c.update(edit))
     assert import_(good, tmp_path / "out")["format"] == "eagle3"
+
+
+def test_model_card_carries_the_runs_data_and_evaluation(tiny_target, tmp_path):
+    """A run's exported card shows the data the draft was trained on and the figures evaluate measured for it
+    (it said 'Data: not recorded' and 'tau: not measured' although the run had both)."""
+    from eyas.train.trainer import TrainConfig
+    from eyas.train.trainer import run as train
+    from tests.train_fakes import write_store
+
+    run_dir = tmp_path / "run"
+    store = write_store(tiny_target, run_dir / "store", n=12)
+    train(TrainConfig(quiet=True, store=str(store), out=str(run_dir / "train"), target="tiny", threads=1,
+                      draft_vocab=512, ttt_steps=2, max_steps=2))
+    final = run_dir / "train" / "final"
+    bench = tmp_path / "b.jsonl"
+    bench.write_text('{"prompt": "What is 2+2?", "category": "math"}\n')
+    from eyas.cli import main
+
+    assert main(["evaluate", "--target", "tiny", "--draft", str(final), "--bench", str(bench), "--out",
+                 str(run_dir / "evaluate"), "--chain", "2", "--no-tree", "--max-new-tokens", "6", "--baselines",
+                 "--no-hf-generate", "--latency-prefix", "8", "--threads", "1", "--quiet"]) == 0
+    results = json.loads((run_dir / "evaluate" / "results.json").read_text())
+    tau = results["configs"][0]["tau"]
+    export(final, "eagle3", tmp_path / "out")
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "not recorded" not in card.split("## Data")[1].split("##")[0]
+    assert "| train_samples | 12 |" in card
+    assert f"Acceptance length tau: {tau}" in card and "| draft_precision | bfloat16 as trained |" in card
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**results, "draft": {**results["draft"], "path": str(tmp_path / "elsewhere")}}))
+    with pytest.raises(EyasError, match="measured the draft"):  # figures of another draft never go on this card
+        export(final, "eagle3", tmp_path / "out2", evaluation=str(other))

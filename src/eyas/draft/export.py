@@ -232,6 +232,8 @@ class ExportConfig(StageConfig):
     speculative_tokens: int = opt(3, "speculators only: draft tokens per step that `vllm serve DIR` uses")
     embed: bool = opt(True, "include embed_tokens (self-contained); --no-embed lets engines take the target's")
     overwrite: bool = opt(False, "replace an existing output folder that eyas export wrote (nothing else)")
+    evaluation: str = opt("", "eyas evaluate's results.json of this draft, for the model card's figures; empty: the "
+                               "one in the checkpoint's run folder that measured it, if any")
 
     def __post_init__(self):
         check(bool(self.checkpoint), "no checkpoint given", "run `eyas export CHECKPOINT --format eagle3|speculators`")
@@ -267,6 +269,9 @@ def run(cfg: ExportConfig) -> dict:
     check_replaceable(out, "export", cfg.overwrite)
     tensors = to_engine(state, dc, cfg.format, DTYPES[cfg.dtype], cfg.embed)
     check_weights(cfg.format, tensors, dims(dc), str(out))
+    found = evaluation_of(src, cfg.evaluation)
+    if found is not None:
+        meta = {**meta, "evaluation": found}
     prov = provenance(meta, src)
     if cfg.format == "eagle3":
         config = eagle3_config(dc, cfg.dtype, prov)
@@ -295,6 +300,37 @@ def provenance(meta: dict, src: Path) -> dict:
     """What an export keeps of its checkpoint (config.json key `eyas`): the draft, data, training and evaluation."""
     return {"draft": meta["eyas_draft"], "source_checkpoint": str(src),
             **{k: meta[k] for k in ("data", "training", "evaluation") if meta.get(k) is not None}}
+
+
+def evaluation_of(src: Path, given: str) -> dict | None:
+    """The headline figures of an `eyas evaluate` of the draft `src`: from `given` (refused if it measured another
+    draft), else from the results.json files in src's run folder (RUN/*/results.json for RUN/train/final) that
+    measured it; None when there is none."""
+    mine = src.resolve()
+    if given:
+        files = [Path(given)]
+    else:
+        run = src.resolve().parent.parent
+        files = sorted(run.glob("*/results.json")) if run != run.parent else []
+    for f in files:
+        res = read_json(f, "give the results.json that `eyas evaluate --out DIR` wrote")
+        path = (res.get("draft") or {}).get("path")
+        if not isinstance(path, str) or Path(path).resolve() != mine:
+            if given:
+                raise EyasError(f"{f} measured the draft {path!r}, not {src}", "its figures belong to another draft",
+                                "give the results.json of an `eyas evaluate --draft` of this checkpoint")
+            continue
+        drafted = [c for c in res.get("configs") or [] if c.get("drafter") == "eagle3"]
+        best = max(drafted, key=lambda c: c.get("speedup") or 0.0, default=None)
+        if best is None:
+            continue
+        b = res.get("bench") or {}
+        return {"results": str(f), "bench": b.get("name"), "prompts": b.get("prompts"), "turns": b.get("turns"),
+                "config": best.get("name"), "tau": best.get("tau"), "speedup": best.get("speedup"),
+                "lossless": (best.get("lossless") or {}).get("identical"),
+                "draft_precision": (res.get("draft") or {}).get("precision", "not recorded"),
+                "temperature": (res.get("settings") or {}).get("temperature")}
+    return None
 
 
 def _scalars(d, prefix: str = "") -> list[tuple[str, object]]:

@@ -418,6 +418,17 @@ class Trainer:
                 "final_loss": s.loss if s else None, "final_acc_i": s.acc_i if s else None,
                 "validation": self.val, "vocab_coverage": self.parts.vocab_info["coverage"], "dtype": self.parts.dtype}
 
+    def data_summary(self) -> dict:
+        """What the draft was trained on, for its folder (and the model cards exported from it)."""
+        p = self.parts
+        reader = getattr(p.train_src, "source", p.train_src)  # a Subset's store
+        dataset = (getattr(reader, "manifest", None) or {}).get("dataset") or {}
+        return {"source": self.cfg.data if self.cfg.online else self.cfg.store, "online": self.cfg.online,
+                "train_samples": len(p.train_src), "train_tokens": int(sum(p.train_src.lengths)),
+                "validation_samples": len(p.val_src) if p.val_src is not None else 0,
+                "skipped_samples": p.data_record["skipped_samples"], "prepared": dataset.get("path", self.cfg.data),
+                "fingerprint": dataset.get("fingerprint")}
+
     def finish(self) -> dict:
         p, g = self.parts, self.progress
         draft = self.full_draft()
@@ -429,7 +440,7 @@ class Trainer:
                   "audit": self.audits, "duplicate_data": bool(self.tag),
                   "skipped_samples": p.data_record["skipped_samples"]}
         if self.env.is_main:
-            save_draft(draft, p.out / "final", extra={"training": summary})
+            save_draft(draft, p.out / "final", extra={"training": summary, "data": self.data_summary()})
             write_json(p.out / SUMMARY_FILE, result)
         dist.barrier(self.env)
         acc = " ".join(f"{a:.3f}" for a in (summary["final_acc_i"] or []))
