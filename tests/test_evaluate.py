@@ -132,3 +132,62 @@ def test_evaluate_measures_the_draft_as_trained_and_says_so(tiny_target, tmp_pat
         res = json.loads((out / "results.json").read_text())
         assert res["draft"]["quant"] == quant and res["draft"]["precision"].startswith(said)
         assert f"draft precision: {said}" in (out / "report.md").read_text()
+
+
+def _fake_target(rows):
+    """A target whose fp32 logits at each position are `rows` (only what _rescore reads of a target)."""
+    import types
+
+    import torch
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, ids):
+            return types.SimpleNamespace(logits=torch.tensor(rows, dtype=torch.float32)[None, : ids.shape[1]])
+
+    return types.SimpleNamespace(model=Model(), dtype=torch.float32)
+
+
+def test_lossless_verdict_rescores_divergences_as_the_targets_top1():
+    """An output that differs from plain greedy is still lossless when every token is the target's fp32 top-1 (a
+    tie within FP32_TIE counts); a token that is not the top-1 is a loud NO, whatever plain greedy said."""
+    from eyas.speculate.evaluate import _rescore
+    from eyas.speculate.report import _lossless, lossless_word
+
+    class Tok:
+        def decode(self, ids):
+            return f"<{ids[0]}>"
+
+    # prompt [0]; positions 0..2 predict tokens 1..3 of the output: rows are the logits over a 4-token vocabulary
+    rows = [[0.0, 5.0, 5.0 + 1e-4, 0.0],  # after the prompt: 1 and 2 tie (gap 1e-4, within the fp32 tie)
+            [0.0, 0.0, 0.0, 9.0],  # then 3, clearly
+            [9.0, 0.0, 0.0, 0.0],  # then 0, clearly
+            [0.0, 0.0, 0.0, 0.0]]
+    base = {"id": "p", "turn": 1, "prompt": [0], "reference": [2, 3, 0], "margin": 1e-4}
+    tie = {**base, "tokens": [1, 3, 0], "divergence": 0}  # took the other side of the tie: the target's top-1
+    wrong = {**base, "tokens": [2, 1, 0], "divergence": 1}  # token 1 where the target clearly says 3
+    _rescore(_fake_target(rows), [tie, wrong])
+    assert tie["rescore"] == {"ties": [{"index": 0, "token": 1, "top1": 2, "fp32_gap": pytest.approx(1e-4, rel=0.01)}],
+                              "mismatch": None}
+    assert wrong["rescore"]["mismatch"] == {"index": 1, "token": 1, "top1": 3, "fp32_gap": pytest.approx(9.0)}
+    ok = _lossless([tie], Tok())
+    assert ok["lossless"] and not ok["identical"] and lossless_word(ok) == "yes*"
+    assert ok["near_ties"][0]["target_margin"] == 1e-4
+    bad = _lossless([tie, wrong], Tok())
+    assert not bad["lossless"] and lossless_word(bad) == "NO" and bad["mismatch"]["top1_text"] == "<3>"
+    same = _lossless([{**base, "tokens": [2, 3, 0], "divergence": None}], Tok())
+    assert same["identical"] and lossless_word(same) == "yes"
+
+
+def test_tie_tolerance_is_the_rounding_of_the_runs_dtype():
+    import torch
+
+    from eyas.speculate.evaluate import FP32_TIE, tie_tolerance
+
+    assert tie_tolerance(torch.bfloat16, 15.0) == 4 * 2.0 ** -4  # bf16 at 8 <= |x| < 16: ulp 2**-4
+    assert tie_tolerance(torch.bfloat16, -40.0) == 4 * 2.0 ** -2
+    assert tie_tolerance(torch.float16, 15.0) == 4 * 2.0 ** -7
+    assert tie_tolerance(torch.float32, 15.0) == FP32_TIE * 15.0

@@ -327,7 +327,7 @@ def evaluation_of(src: Path, given: str) -> dict | None:
         b = res.get("bench") or {}
         return {"results": str(f), "bench": b.get("name"), "prompts": b.get("prompts"), "turns": b.get("turns"),
                 "config": best.get("name"), "tau": best.get("tau"), "speedup": best.get("speedup"),
-                "lossless": (best.get("lossless") or {}).get("identical"),
+                "lossless": (best.get("lossless") or {}).get("lossless", (best.get("lossless") or {}).get("identical")),
                 "draft_precision": (res.get("draft") or {}).get("precision", "not recorded"),
                 "temperature": (res.get("settings") or {}).get("temperature")}
     return None

@@ -100,7 +100,10 @@ def _final_lines(summaries: dict, run: Path) -> list[str]:
     lines = [f"run folder: {run}"]
     if drafted:
         best = max(drafted, key=lambda c: c.get("speedup") or 0.0)
-        verdict = "not checked" if not checked else "yes" if all(x.get("identical") for x in checked) else "NO"
+        true = all(x.get("lossless", x.get("identical")) for x in checked)
+        same = all(x.get("identical") for x in checked)
+        verdict = ("not checked" if not checked else "NO" if not true else "yes" if same
+                   else "yes (every token the target's top-1; near-ties rounded otherwise than plain greedy)")
         lines.append(f"draft {best['name']}: acceptance length tau {best['tau']:.2f}, "
                      f"speedup {best['speedup']:.2f}x over plain greedy decoding, lossless: {verdict}")
     rep = summaries.get("report") or {}

@@ -45,9 +45,15 @@ def lossless(res: Doc) -> tuple[str, str, str]:
     checked = [c for c in res.get("configs") or [] if (c.get("lossless") or {}).get("checked")]
     if not checked:
         return "n/a", "muted", "not checked (sampling at temperature > 0)"
-    bad = [c.get("name", "?") for c in checked if not c["lossless"].get("identical")]
+    bad = [c.get("name", "?") for c in checked if not c["lossless"].get("lossless", c["lossless"].get("identical"))]
     if bad:
-        return "NO", "bad", f"{len(bad)} of {len(checked)} configurations differ from greedy: {esc(', '.join(bad))}"
+        return "NO", "bad", (f"{len(bad)} of {len(checked)} configurations emitted a token that is not the target's "
+                             f"top-1: {esc(', '.join(bad))}")
+    tied = [c.get("name", "?") for c in checked if not c["lossless"].get("identical")]
+    if tied:
+        return "yes", "good", (f"every emitted token is the target's top-1 (re-scored in fp32); {len(tied)} of "
+                               f"{len(checked)} configurations differ from plain greedy only at near-ties: "
+                               f"{esc(', '.join(tied))}")
     return "yes", "good", f"all {len(checked)} configurations reproduce greedy decoding token for token"
 
 

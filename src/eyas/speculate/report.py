@@ -56,14 +56,29 @@ def method_figures(recs: list[dict], base_tps: float | None, latency: dict) -> d
 
 
 def _lossless(recs: list[dict], tokenizer) -> dict:
+    """The verdict: `lossless` is true when every emitted token is the target's top-1 at its position (outputs
+    equal to plain greedy decoding, or differing from it only at near-ties, each re-scored in fp32: see
+    eyas.speculate.evaluate._rescore); `identical` says whether they equal plain greedy token for token, and
+    `near_ties` lists where they do not, with the margins."""
     bad = [r for r in recs if r.get("divergence") is not None]
     if not bad:
-        return {"checked": True, "identical": True, "turns": len(recs), "first_divergence": None}
+        return {"checked": True, "lossless": True, "identical": True, "turns": len(recs), "near_ties": [],
+                "mismatch": None, "first_divergence": None}
+    ties = [{"id": r["id"], "turn": r["turn"], "index": r["divergence"], "target_margin": r.get("margin"),
+             "fp32_ties": len((r.get("rescore") or {}).get("ties", []))} for r in bad]
+    wrong = next((r for r in bad if (r.get("rescore") or {}).get("mismatch") or "rescore" not in r), None)
+    mismatch = None
+    if wrong is not None:
+        m = (wrong.get("rescore") or {}).get("mismatch") or {}
+        mismatch = {"id": wrong["id"], "turn": wrong["turn"], **m,
+                    "token_text": tokenizer.decode([m["token"]]) if "token" in m else None,
+                    "top1_text": tokenizer.decode([m["top1"]]) if "top1" in m else None}
     r = bad[0]
     i, ref = r["divergence"], r["reference"]
     got = r["tokens"]
     pick = lambda seq: seq[i] if i < len(seq) else None  # noqa: E731
-    return {"checked": True, "identical": False, "turns": len(recs), "diverging_turns": len(bad),
+    return {"checked": True, "lossless": mismatch is None, "identical": False, "turns": len(recs),
+            "diverging_turns": len(bad), "near_ties": ties if mismatch is None else [], "mismatch": mismatch,
             "first_divergence": {"id": r["id"], "turn": r["turn"], "index": i, "expected": pick(ref), "got": pick(got),
                                  "expected_text": tokenizer.decode([pick(ref)]) if pick(ref) is not None else None,
                                  "got_text": tokenizer.decode([pick(got)]) if pick(got) is not None else None,
@@ -131,6 +146,16 @@ def _fmt(x, spec=".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def lossless_word(ll: dict) -> str:
+    """yes (token for token as plain greedy), yes* (the target's top-1 everywhere, but near-ties decided otherwise
+    than plain greedy's rounding did), NO (a token that is not the target's top-1), n/a (sampling)."""
+    if not ll.get("checked"):
+        return "n/a"
+    if not ll.get("lossless", ll.get("identical")):
+        return "NO"
+    return "yes" if ll.get("identical") else "yes*"
+
+
 def summary_lines(res: dict) -> list[str]:
     b = res["baseline"]
     lines = [f"draft precision: {res['draft'].get('precision', 'not recorded')}",
@@ -144,17 +169,23 @@ def summary_lines(res: dict) -> list[str]:
              "accept rate by position"]
     for c in res["configs"]:
         ll = c["lossless"]
-        verdict = "n/a" if not ll["checked"] else "yes" if ll["identical"] else "NO"
+        verdict = lossless_word(ll)
         rates = " ".join(_fmt(r) for r in c["accept_rate_by_position"])
         lines.append(f"{c['name']:<30} {_fmt(c['tau']):>5} {_fmt(c['tokens_per_s'], '.1f'):>7} "
                      f"{_fmt(c['speedup']):>7} {_fmt(c['predicted_speedup']):>6} {_fmt(c['efficiency']):>5} "
                      f"{_fmt(100 * c['overhead_share'] if c['overhead_share'] is not None else None, '.0f'):>4}%  "
                      f"{verdict:<8}  {rates}")
-        if ll.get("first_divergence"):
+        if ll.get("mismatch"):
+            d = ll["mismatch"]
+            lines.append(f"   NOT the target's top-1: prompt {d['id']} turn {d['turn']} token {d.get('index')}: "
+                         f"{d.get('token_text')!r} where the target's fp32 top-1 is {d.get('top1_text')!r} "
+                         f"(gap {_fmt(d.get('fp32_gap'), '.3f')})")
+        elif ll.get("first_divergence"):
             d = ll["first_divergence"]
-            lines.append(f"   first divergence: prompt {d['id']} turn {d['turn']} token {d['index']}: expected "
-                         f"{d['expected_text']!r} got {d['got_text']!r} "
-                         f"(target top-2 margin {_fmt(d['target_margin'], '.3f')})")
+            lines.append(f"   {len(ll['near_ties'])} turn(s) differ from plain greedy at near-ties, every token "
+                         f"re-scored as the target's fp32 top-1; first: prompt {d['id']} turn {d['turn']} token "
+                         f"{d['index']}: {d['expected_text']!r} or {d['got_text']!r} (target top-2 margin "
+                         f"{_fmt(d['target_margin'], '.3f')})")
     return lines
 
 
