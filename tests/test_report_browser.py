@@ -188,3 +188,31 @@ def test_not_run_report_renders_without_errors(browser, tmp_path):
     info = json.loads(browser.evaluate(PROBE))
     assert browser.errors() == [] and info["plots"] == 0
     assert set(info["sections"].values()) == {"not run"}
+
+
+CLIPPED = """JSON.stringify([...document.querySelectorAll('svg.plot')].map(s => {
+  const box = s.getBoundingClientRect();
+  return [...s.querySelectorAll('text')].filter(t => { const r = t.getBoundingClientRect();
+      return r.width > 0 && (r.left < box.left - 1 || r.right > box.right + 1 || r.bottom > box.bottom + 1); })
+    .map(t => t.textContent);
+}).flat())"""
+
+
+def test_report_fits_1280_px_with_unbroken_text_and_long_legend_labels(browser, tmp_path):
+    """What a real run's report holds: a sample whose text has no space to break at (a tiny model's 'CanadianCanadian
+    ...' made the page 2,722 px wide) and five configurations with long names (two legends ran off their plots)."""
+    run_dir = make_run(tmp_path / "demo")
+    path = run_dir / "evaluate" / "results.json"
+    res = json.loads(path.read_text())
+    res["configs"] += [{**res["configs"][1], "name": "eagle3 tree k=4 d=5 n=16", "mode": "tree"},
+                       {**res["configs"][0], "name": "runs/other/train/final chain k=7"}]
+    res["samples"][0]["pieces"].append(" " + "Canadian" * 300)
+    res["samples"][0]["prompt"] = "y" * 3000
+    path.write_text(json.dumps(res))
+    page = Path(run(ReportConfig(run=str(run_dir), quiet=True))["path"])
+    browser.events.clear()
+    browser.open(page.resolve().as_uri())
+    info = json.loads(browser.evaluate(PROBE))
+    assert browser.errors() == []
+    assert info["scroll_width"] <= 1280 and info["overflowing"] == 0
+    assert json.loads(browser.evaluate(CLIPPED)) == []  # every legend and label inside its plot

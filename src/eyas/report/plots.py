@@ -80,9 +80,21 @@ def _finish(ax, title: str, xlabel: str, ylabel: str, legend: bool, integer_x: b
     ax.figure.suptitle(title, x=0.01, ha="left", fontsize=12, fontweight="bold", color="#0f172a")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    if legend:  # below the axes, never over the data
+    if legend:  # below the axes, never over the data, in as many columns as fit the figure's width
         handles, labels = ax.get_legend_handles_labels()
-        ax.figure.legend(handles, labels, loc="outside lower center", ncols=min(len(labels), 4))
+        ncols = legend_columns(labels, ax.figure.get_figwidth())
+        ax.figure.legend(handles, labels, loc="outside lower center", ncols=ncols)
+
+
+def legend_columns(labels: Sequence[str], width_in: float, fontsize: float = 9.0, most: int = 4) -> int:
+    """The most columns (up to `most`) whose legend fits `width_in` inches: each entry is its handle and gaps
+    (~0.75 in) plus its text (~0.55 em a character); a column is as wide as its widest entry. Long labels get fewer
+    columns instead of being cut at the figure's edge."""
+    entry = [0.75 + 0.55 * fontsize / 72 * len(label) for label in labels]
+    for n in range(min(most, len(labels)), 1, -1):
+        if sum(max(entry[c::n]) for c in range(n)) <= width_in - 0.2:
+            return n
+    return 1
 
 
 def thin(xs: Sequence, ys: Sequence, most: int = MAX_POINTS) -> tuple[list, list]:
@@ -347,8 +359,8 @@ line-height:1.5;white-space:pre-wrap;word-break:break-all}
 code{font:12.5px/1.5 ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}
 .gen{border:1px solid var(--line);border-radius:10px;padding:12px 16px;margin:12px 0}
 .gen .meta{font-size:13px;color:var(--mute);margin-bottom:6px}
-.gen .prompt{font-size:14px;color:var(--ink2);border-left:3px solid var(--line);padding-left:10px;margin:6px 0 10px}
-.gen .text{white-space:pre-wrap;font-size:14.5px;line-height:1.75}
+.gen .prompt{overflow-wrap:anywhere;font-size:14px;color:var(--ink2);border-left:3px solid var(--line);padding-left:10px;margin:6px 0 10px}
+.gen .text{white-space:pre-wrap;overflow-wrap:anywhere;font-size:14.5px;line-height:1.75}
 .tok-d{background:#dbeafe;color:#1e3a8a;border-radius:3px;box-shadow:0 0 0 1px #bfdbfe}
 .tok-b{background:#fde68a;border-radius:3px}
 .legend{font-size:13px;color:var(--ink2)}
