@@ -26,7 +26,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eyas.core.errors import EyasError
+from eyas.core.errors import EyasError, Incomplete
 from eyas.draft.checkpoint import read_draft, save_draft
 from tests.faults.test_server_faults import FakeServer
 from tests.test_model import small_draft
@@ -260,12 +260,14 @@ def test_api_key_echoed_by_a_failing_server_is_not_reported(server, tmp_path, mo
     server.decide = lambda n, body: "echo-auth"
     monkeypatch.setenv("EYAS_API_KEY", SECRET)
     data, out = write_prompts(tmp_path / "data.jsonl"), tmp_path / "out" / "regen.jsonl"
-    summary = run(RegenerateConfig(data=(str(data),), out=str(out), server=server.url, model="m", retries=1,
-                                   retry_time=1, timeout=2))
+    with pytest.raises(Incomplete) as stopped:  # every conversation failed: left to do
+        run(RegenerateConfig(data=(str(data),), out=str(out), server=server.url, model="m", retries=1,
+                             retry_time=1, timeout=2))
+    summary = stopped.value.summary
     assert summary["failed"] == 3 and SECRET in server.echoed  # the server did echo the key back
     seen = capsys.readouterr()
     n = assert_nowhere(SECRET, {**all_text(out.parent), "stdout": seen.out, "stderr": seen.err,
-                                "summary": json.dumps(summary)})
+                                "summary": json.dumps(summary), "error": str(stopped.value)})
     tally("planted secrets checked: output files", n)
 
 
