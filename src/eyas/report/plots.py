@@ -359,7 +359,8 @@ line-height:1.5;white-space:pre-wrap;word-break:break-all}
 code{font:12.5px/1.5 ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}
 .gen{border:1px solid var(--line);border-radius:10px;padding:12px 16px;margin:12px 0}
 .gen .meta{font-size:13px;color:var(--mute);margin-bottom:6px}
-.gen .prompt{overflow-wrap:anywhere;font-size:14px;color:var(--ink2);border-left:3px solid var(--line);padding-left:10px;margin:6px 0 10px}
+.gen .prompt{overflow-wrap:anywhere;font-size:14px;color:var(--ink2);border-left:3px solid var(--line);
+  padding-left:10px;margin:6px 0 10px}
 .gen .text{white-space:pre-wrap;overflow-wrap:anywhere;font-size:14.5px;line-height:1.75}
 .tok-d{background:#dbeafe;color:#1e3a8a;border-radius:3px;box-shadow:0 0 0 1px #bfdbfe}
 .tok-b{background:#fde68a;border-radius:3px}
