@@ -159,3 +159,36 @@ def test_plan_assumes_the_trainers_defaults():
 
     for name in ("micro_batch", "grad_accum", "epochs", "drop_remainder"):
         assert getattr(PlanConfig(samples=10), name) == getattr(TrainConfig(), name), name
+
+
+def test_the_unsharded_figures_are_a_labelled_hypothesis_with_the_seeds_177230():
+    """The seed's log said 'Total training steps: 177230': the plan prints that number, labelled as what an
+    unsharded run would do, and the words NOT sharded never appear in a plan (they are a verdict, doctor's)."""
+    lines = compute_plan(35_446, 4, 1, 1, 5, steps_per_s=1.4).lines()
+    (hypo,) = [line for line in lines if "not sharded" in line]
+    assert hypo.startswith("plan: if the data were not sharded (every rank reading all 35,446 samples): ")
+    assert "35,446 micro-batches per rank per epoch, 177,230 optimizer steps per rank in all, taking 35.2 h" in hypo
+    assert not any("NOT sharded" in line for line in lines)
+
+
+@pytest.mark.parametrize("flags, said", [
+    (dict(samples=-35446), "--samples -35,446 is outside 0..1,000,000,000,000"),
+    (dict(samples=10**26), "--samples 100,000,000,000,000,000,000,000,000 is outside"),
+    (dict(samples=35446, world_size=99999999999999999999), "--world-size 99,999,999,999,999,999,999 is outside"),
+    (dict(samples=35446, steps_per_s=1e-300), "--steps-per-s 1e-300 is outside 1e-06..1e+06"),
+])
+def test_bad_input_names_the_valid_range(flags, said):
+    import re
+
+    with pytest.raises(EyasError, match=re.escape(said)):
+        PlanConfig(**flags)
+
+
+def test_an_eta_past_a_year_says_so():
+    from eyas.core.log import fmt_duration
+
+    assert fmt_duration(3 * 86400) == "3.0 days"
+    assert fmt_duration(2 * 365.25 * 86400) == "more than a year"
+    assert fmt_duration(1e300) == "more than 1,000 years"
+    lines = compute_plan(10**12, 1, 1, 1, 1, steps_per_s=1e-6).lines()
+    assert any("ETA more than 1,000 years" in line for line in lines)

@@ -67,10 +67,17 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.1f} PiB"
 
 
+YEAR_S = 365.25 * 86400
+
+
 def fmt_duration(seconds: float) -> str:
     seconds = max(0.0, float(seconds))
     if seconds < 90:
         return f"{seconds:.0f} s"
     if seconds < 5400:
         return f"{seconds / 60:.1f} min"
-    return f"{seconds / 3600:.1f} h"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    if seconds < YEAR_S:
+        return f"{seconds / 86400:.1f} days"
+    return "more than a year" if seconds < 1000 * YEAR_S else "more than 1,000 years"
