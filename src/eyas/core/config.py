@@ -158,6 +158,12 @@ def load_toml(path: str | Path) -> dict:
     return read_toml(path, fix="give the path of an existing .toml file")
 
 
+def changed_settings(before: dict, now: dict, ignore=()) -> list[str]:
+    """The keys (sorted) whose values differ between two recorded settings, a key missing on one side included:
+    what stops a resume (train, extract, regenerate) from continuing under other settings."""
+    return sorted(k for k in set(before) | set(now) if k not in ignore and before.get(k) != now.get(k))
+
+
 def check(condition: bool, what: str, fix: str) -> None:
     """Validation helper for __post_init__: raise an EyasError naming the value and the fix."""
     if not condition:

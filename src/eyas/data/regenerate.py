@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from eyas.core.config import StageConfig, check, opt
+from eyas.core.config import StageConfig, changed_settings, check, opt
 from eyas.core.dist import pick_device
 from eyas.core.errors import EyasError, Incomplete
 from eyas.core.files import read_json, write_json
@@ -296,16 +296,17 @@ def check_settings(cfg: RegenerateConfig, out: Path, model: str, con) -> None:
     """Refuse to add replies to `out` under other generation settings than those it holds (--overwrite starts it
     anew); record the settings of a new output."""
     mine, side = generation_settings(cfg, model), settings_file(out)
-    if side.is_file() and out.is_file() and out.stat().st_size:
+    has_replies = out.is_file() and out.stat().st_size > 0
+    if side.is_file() and has_replies:
         before = read_json(side, f"remove {side} and {out} to start anew, or choose another --out")
-        diff = sorted(k for k in set(before) | set(mine) if before.get(k) != mine.get(k))
+        diff = changed_settings(before, mine)
         if diff:
             raise EyasError(f"{out} holds replies made under other settings: "
                             + ", ".join(f"{k} {before.get(k)!r} then, {mine.get(k)!r} now" for k in diff),
                             "resuming would mix replies generated two ways in one file",
                             f"rerun with the settings recorded in {side}, choose another --out, or pass --overwrite "
                             "to generate every reply again")
-    elif out.is_file() and out.stat().st_size:
+    elif has_replies:
         con.print(f"{out}: written by an older eyas that did not record its generation settings; resuming under "
                   f"these ({side} now records them)", force=True)
     write_json(side, mine)

@@ -29,6 +29,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from eyas.core.config import changed_settings
 from eyas.core.errors import EyasError, disk_full
 from eyas.core.files import read_json, write_json
 from eyas.draft.model import DraftConfig, Eagle3Draft
@@ -278,8 +279,7 @@ def check_resumable(folder: Path, state: dict, config: dict, world_size: int) ->
             f"all), or start a new run in another --out folder")
     old = state.get("config", {})
     config = json.loads(json.dumps(config, default=str))  # tuples -> lists, as they were stored
-    changed = sorted(k for k in set(old) | set(config)
-                     if k not in RESUMABLE_CHANGES and old.get(k) != config.get(k))
+    changed = changed_settings(old, config, ignore=RESUMABLE_CHANGES)
     if changed:
         diffs = ", ".join(f"{k}: {old.get(k)!r} -> {config.get(k)!r}" for k in changed[:6])
         raise EyasError(f"cannot resume {folder}: settings differ from the run that wrote it ({diffs})",

@@ -29,6 +29,7 @@ from eyas.core.errors import EyasError
 from eyas.core.log import console
 from eyas.pipeline.commands import COMMANDS, load_stage
 from eyas.pipeline.runner import Stage, run_pipeline
+from eyas.speculate.report import lossless_word
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -100,9 +101,8 @@ def _final_lines(summaries: dict, run: Path) -> list[str]:
     lines = [f"run folder: {run}"]
     if drafted:
         best = max(drafted, key=lambda c: c.get("speedup") or 0.0)
-        true = all(x.get("lossless", x.get("identical")) for x in checked)
-        same = all(x.get("identical") for x in checked)
-        verdict = ("not checked" if not checked else "NO" if not true else "yes" if same
+        words = {lossless_word(x) for x in checked}
+        verdict = ("not checked" if not checked else "NO" if "NO" in words else "yes" if words == {"yes"}
                    else "yes (every token the target's top-1; near-ties rounded otherwise than plain greedy)")
         lines.append(f"draft {best['name']}: acceptance length tau {best['tau']:.2f}, "
                      f"speedup {best['speedup']:.2f}x over plain greedy decoding, lossless: {verdict}")

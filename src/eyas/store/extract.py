@@ -31,7 +31,7 @@ from typing import Literal
 import torch
 
 from eyas.core import dist
-from eyas.core.config import StageConfig, check, opt
+from eyas.core.config import StageConfig, changed_settings, check, opt
 from eyas.core.errors import EyasError, disk_full
 from eyas.core.files import check_writable, read_json, write_json
 from eyas.core.log import console, fmt_bytes, fmt_duration, fmt_int
@@ -330,7 +330,7 @@ def _prepare_store(cfg, con, env, target, shards, lengths, settings, bpt) -> dic
     old = store / SETTINGS_FILE
     if old.is_file():
         prev = read_json(old, f"use a new --store folder, or remove {old} if the store holds nothing you need")
-        diff = sorted(k for k in set(prev) | set(settings) if prev.get(k) != settings.get(k))
+        diff = changed_settings(prev, settings)
         if diff:
             raise EyasError(f"{store} was started with other settings ({', '.join(diff)} "
                             f"differ{'s' if len(diff) == 1 else ''})",

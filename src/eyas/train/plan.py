@@ -39,8 +39,8 @@ STORED_LAYERS = 4  # three feature layers (low|mid|high, the draft's input) + th
 
 
 # the largest figures a plan takes: far past any run (the seed's: 35,446 samples, 4 ranks, 87.8M tokens)
-LIMITS = {"samples": 10**12, "tokens": 10**15, "hidden_size": 10**6, "num_layers": 10**4, "world_size": 10**6,
-          "micro_batch": 10**6, "grad_accum": 10**6, "epochs": 10**6}
+LIMITS = {"samples": (0, 10**12), "tokens": (0, 10**15), "hidden_size": (0, 10**6), "num_layers": (0, 10**4),
+          "world_size": (1, 10**6), "micro_batch": (1, 10**6), "grad_accum": (1, 10**6), "epochs": (1, 10**6)}
 
 # eyas train's defaults, which eyas plan assumes too: one definition for both
 MICRO_BATCH, GRAD_ACCUM, EPOCHS = 4, 1, 1
@@ -226,8 +226,8 @@ class PlanConfig(StageConfig):
     store: str = opt(".", "where the hidden-state store would go (its disk's free space is reported)")
 
     def __post_init__(self):
-        for name, top in LIMITS.items():  # first: a negative count is not a missing one
-            v, lo = getattr(self, name), 0 if name in ("samples", "tokens", "hidden_size", "num_layers") else 1
+        for name, (lo, top) in LIMITS.items():  # first: a negative count is not a missing one
+            v = getattr(self, name)
             check(lo <= v <= top, f"plan: --{name.replace('_', '-')} {v:,} is outside {lo:,}..{top:,}",
                   f"give a whole number from {lo:,} to {top:,}")
         check(self.samples > 0 or bool(self.data), "plan: no dataset size given",
