@@ -349,18 +349,36 @@ def test_real_speculators_verdict(tmp_path):
     assert out["logs"][1]["verdict"] == "sharded"
 
 
+def test_real_specforge_pair_is_compared(tmp_path):
+    """Two finished SpecForge runs of the same data, 1 and 2 processes: no epoch counter, but 40 steps on one rank
+    and 20 per rank on two halve with the ranks."""
+    one_rank, _ = real_log(tmp_path, "specforge-1rank.log")
+    two, truth = real_log(tmp_path, "specforge-2rank.log")
+    out = run(DoctorConfig(logs=(str(one_rank), str(two)), quiet=True))
+    assert truth["sharded"] and out["comparison"]["verdict"] == "sharded", out["comparison"]
+    assert "whole run" in out["comparison"]["evidence"]
+    assert out["logs"][1]["verdict"] == "sharded" and out["logs"][1]["eta_by_hypothesis"] == {}
+
+
 # -- anomalies -------------------------------------------------------------------------------------------------
 def test_restart_duplicate_and_stall(tmp_path):
+    old = time.time() - 3600  # the last line was written an hour ago, at a step a second
     rows = [{"step": i, "epoch": 0, "lr": 1e-4, "loss": 1.0, "elapsed_s": i * 1.0} for i in range(1, 51)]
     rows += [{"step": i, "epoch": 0, "lr": 1e-4, "loss": 1.0, "elapsed_s": 60 + i * 1.0} for i in range(41, 61)]
+    for r in rows:
+        r["time"] = old - 120 + r["elapsed_s"]
     rows.insert(10, rows[9])  # a duplicated line
     log = tmp_path / "metrics.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    old = time.time() - 3600
-    os.utime(log, (old, old))  # last written an hour ago, at a step a second
+    os.utime(log, (old, old))
     rep = one(log)
     kinds = [a["kind"] for a in rep["anomalies"]]
     assert "restart" in kinds and "duplicate" in kinds and "stall" in kinds
+    assert rep["liveness"].startswith("stalled or dead: the file was last written 60.0 min ago")
+    copied = time.time() - 3600 + 1000  # the same log copied later: its age is the copy's, not the run's
+    os.utime(log, (copied, copied))
+    rep = one(log)
+    assert "stall" not in [a["kind"] for a in rep["anomalies"]] and rep["liveness"].startswith("not judged")
     restart = next(a for a in rep["anomalies"] if a["kind"] == "restart")
     assert restart["line"] == 52 and "from 50" in restart["message"] and "to 41" in restart["message"]
     assert rep["steps_per_rank"] == 60

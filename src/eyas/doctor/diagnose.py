@@ -18,9 +18,11 @@ The modules, from the bytes up:
 from __future__ import annotations
 
 import os
+import stat
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from eyas.core.errors import EyasError
 from eyas.core.files import read_json
@@ -41,6 +43,7 @@ from eyas.doctor.verdict import (
     compare,
     decide,
     fact_anomalies,
+    liveness,
     lr_anomalies,
     progress,
     stalls,
@@ -50,14 +53,22 @@ from eyas.doctor.verdict import (
 CHUNK = 1 << 20  # bytes read at a time
 
 
+class Seen(NamedTuple):
+    """When the log was looked at: its modification time (None while following), now, and --follow's idle time."""
+
+    mtime: float | None
+    now: float
+    follow_idle: float | None = None
+
+
 # -- one log -------------------------------------------------------------------------------------------------------
-def analyse(parser: LogParser, cfg: DoctorConfig, name: str, extra: list[Fact], idle: float | None) -> dict:
+def analyse(parser: LogParser, cfg: DoctorConfig, name: str, extra: list[Fact], seen: Seen) -> dict:
     """The report of one parsed log (a JSON-ready dict)."""
     facts = extra + parser.facts
     rep = {"log": name, "lines": parser.lines, "formats": dict(parser.formats), "steps_found": 0,
            "truncated_lines": parser.truncated, "anomalies": []}
     steps = parser.steps or bar_steps(facts)
-    rep["steps_found"] = len(steps)
+    rep["steps_found"] = parser.step_records or len(steps)
     if steps and not parser.steps:
         rep["formats"].setdefault(steps[0].fmt, steps[0].line)
     if not steps:
@@ -65,26 +76,35 @@ def analyse(parser: LogParser, cfg: DoctorConfig, name: str, extra: list[Fact], 
     writers, series, how, dups = writers_of(steps)
     done, restarts, counter, zero = normalise(series)
     fig = figures(facts, cfg, writers, parser.ranks, done, counter)
-    rate, span, rate_how, timed = measure_rate(done)
+    rate, span, rate_how, _ = measure_rate(done)
     n_done = done[-1][0]
     t_lr, lr_how = schedule_length(done)
     ended = why_ended(facts, done, t_lr, lr_how, fig["plan_steps"][0][1] if fig["plan_steps"][0] else None)
     finished = bool(ended) and not ended.startswith("it crashed")
-    verdict = decide(fig, facts, n_done if finished else None)
+    verdict = decide(fig, facts, n_done if finished else None, done)
     prog = progress(fig, verdict, n_done, rate if not ended else None, finished)  # no ETA for a run that is over
     if prog.get("boundary_in_s") and verdict["decide_by"] and verdict["decide_by"][0].startswith("the epoch b"):
         verdict["decide_by"][0] += " (" + ", ".join(f"{h} in {fmt_duration(t)}" for h, t in
                                                     prog.pop("boundary_in_s").items()) + " at the current rate)"
     prog.pop("boundary_in_s", None)
+    last = done[-1][1]
+    live, stalled = liveness(rate, ended, parser.wall, parser.wall_line, seen.mtime, seen.now, seen.follow_idle,
+                             last.line, done[-min(len(done), 16)][1].line)
+    world_note = [anomaly("world size", 0, f"world size {fig['world_size'][0]}: {fig['world_size'][1]}")
+                  if fig["world_size"][1].startswith("the log, not") else None]
+    per_rank = None if finished else prog["total_steps_per_rank"]
     rep["anomalies"] = (restarts + [anomaly("duplicate", 0, d) for d in dups[:5]]
-                        + lr_anomalies(done, t_lr, lr_how, None if finished else prog["total_steps_per_rank"], finished)
-                        + stalls(done, timed, rate, ended, idle, parser.clock.last) + fact_anomalies(facts))
+                        + lr_anomalies(done, t_lr, lr_how, per_rank, finished)
+                        + stalls(parser.gaps, last.rank, done[0][1].line, (last.line, last.time), rate, ended,
+                                 parser.clock.last)
+                        + stalled + fact_anomalies(facts, last.line) + [a for a in world_note if a])
     for key, (value, source) in fig.items():
         rep[key], rep[key + "_source"] = value, source
     rep.update(writers=writers, writers_evidence=how, steps_per_rank=n_done, counter_starts_at_0=zero,
-               first_step_line=done[0][1].line, last_step_line=done[-1][1].line,
-               log_every=log_every(done), rate_steps_per_s=rate, rate_source=rate_how, elapsed_s=span,
-               lr_schedule_steps=t_lr, lr_schedule_evidence=lr_how, ended=ended, **verdict, **prog)
+               first_step_line=done[0][1].line, last_step_line=last.line,
+               log_every=log_every(parser.deltas), rate_steps_per_s=rate, rate_source=rate_how, elapsed_s=span,
+               lr_schedule_steps=t_lr, lr_schedule_evidence=lr_how, ended=ended, finished=finished, liveness=live,
+               **verdict, **prog)
     return rep
 
 
@@ -150,6 +170,9 @@ def _render_progress(rep: dict) -> list[str]:
         out.append(f"  ETA: {fmt_duration(rep['eta_s'])}")
     for h, t in rep["eta_by_hypothesis"].items():
         out.append(f"  ETA if {h}: {fmt_duration(t)}")
+    out += [f"  ruled out: {r}" for r in rep["ruled_out"]]
+    if rep["liveness"]:
+        out.append(f"  liveness: {rep['liveness']}")
     return out
 
 
@@ -173,7 +196,8 @@ class Tail:
                 if os.fstat(f.fileno()).st_size < self.offset:
                     raise EyasError(f"{self.path} shrank while being read", "it was truncated or rotated",
                                     "run eyas doctor again on the new file")
-                f.seek(self.offset)
+                if self.offset:
+                    f.seek(self.offset)  # not at 0: a named pipe cannot seek
                 before = self.lineno
                 while chunk := f.read(CHUNK):
                     if self.offset == 0:
@@ -246,26 +270,45 @@ def open_log(path_str: str) -> tuple[Path, list[Fact]]:
         if not (p / "metrics.jsonl").is_file():
             raise EyasError(f"{p} is a folder without metrics.jsonl", fix="give a log file or an eyas run folder")
         return p / "metrics.jsonl", _run_folder_facts(p)
-    if not p.is_file():
-        raise EyasError(f"log {p} not found", fix="give the path of a training log or an eyas run folder")
+    try:
+        mode = p.stat().st_mode
+    except FileNotFoundError:
+        raise EyasError(f"log {p} not found", fix="give the path of a training log or an eyas run folder") from None
+    except OSError as e:
+        raise EyasError(f"cannot read {p}: {e.strerror}", fix="check the path and its permissions") from None
+    if stat.S_ISFIFO(mode):
+        return p, []  # a named pipe is read to its end, as it is written
+    if not stat.S_ISREG(mode):
+        kind = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode) else
+                "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+        raise EyasError(f"{p} is {kind}, not a log", "doctor reads text files (or a named pipe) that a run wrote",
+                        "give the path of a training log or an eyas run folder")
     return p, []
 
 
 # -- the command ---------------------------------------------------------------------------------------------------
 def _read_whole(path_str: str, cfg: DoctorConfig) -> dict:
     path, extra = open_log(path_str)
-    if path.stat().st_size == 0:
+    fifo = stat.S_ISFIFO(path.stat().st_mode)
+    if not fifo and path.stat().st_size == 0:
         raise EyasError(f"{path} is empty", "the run has written nothing yet",
                         "wait for the first step lines, or use --follow")
     parser, tail = LogParser(), Tail(path)
     tail.read(parser, final=True)
     parser.finish()
-    return analyse(parser, cfg, path_str, extra, time.time() - path.stat().st_mtime)
+    if fifo and not parser.lines:
+        raise EyasError(f"{path} (a named pipe) gave no lines before its writer closed it",
+                        fix="start the writer first, or give the log file itself")
+    mtime = None if fifo else path.stat().st_mtime  # a pipe's clock says nothing of the run
+    return analyse(parser, cfg, path_str, extra, Seen(mtime, time.time()))
 
 
 def follow(cfg: DoctorConfig, con: Console) -> dict:
     """Read a growing log until the run ends or no line arrives for follow_timeout seconds."""
     path, extra = open_log(cfg.logs[0])
+    if stat.S_ISFIFO(path.stat().st_mode):
+        raise EyasError(f"--follow on {path}, a named pipe", "a pipe is read once, to its end: there is nothing to "
+                        "come back to", "drop --follow (doctor reads the pipe until its writer closes it)")
     parser, tail = LogParser(), Tail(path)
     tail.read(parser)
     last_line, shown = time.monotonic(), -1
@@ -273,7 +316,7 @@ def follow(cfg: DoctorConfig, con: Console) -> dict:
         while True:
             if tail.read(parser, arrival=time.time()) or shown < 0:
                 last_line = time.monotonic()
-                rep = analyse(parser, cfg, cfg.logs[0], extra, None)
+                rep = analyse(parser, cfg, cfg.logs[0], extra, Seen(None, time.time(), 0.0))
                 if rep.get("steps_per_rank", 0) != shown:
                     shown = rep.get("steps_per_rank", 0)
                     con.print(_one_line(rep))
@@ -285,7 +328,7 @@ def follow(cfg: DoctorConfig, con: Console) -> dict:
     except KeyboardInterrupt:
         pass
     parser.finish()
-    return analyse(parser, cfg, cfg.logs[0], extra, time.monotonic() - last_line)
+    return analyse(parser, cfg, cfg.logs[0], extra, Seen(None, time.time(), time.monotonic() - last_line))
 
 
 def run(cfg: DoctorConfig) -> dict:

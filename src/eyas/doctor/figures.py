@@ -70,9 +70,10 @@ def _samples(facts: list[Fact], cfg: DoctorConfig) -> tuple[int | None, str]:
 
 
 def _world(facts: list[Fact], cfg: DoctorConfig, writers: int, ranks: set[int]) -> tuple[int | None, str]:
+    given = _given_world(cfg, writers, ranks)
+    if given:
+        return given
     audit, batching, stated = latest(facts, "audit"), latest(facts, "plan_batching"), latest(facts, "world_size")
-    if cfg.world_size:
-        return cfg.world_size, "--world-size"
     if audit and isinstance(audit.value.get("world_size"), int):
         return audit.value["world_size"], cite(audit)
     if batching:
@@ -83,15 +84,48 @@ def _world(facts: list[Fact], cfg: DoctorConfig, writers: int, ranks: set[int]) 
         return max(ranks) + 1, f"torchrun prefixes name ranks up to [rank{max(ranks)}]"
     if writers > 1:
         return writers, f"{writers} ranks write the step lines (assuming every rank writes)"
-    warns = Counter(f.value for f in facts if f.name == "warning")
-    mult = Counter(warns.values())
-    k = max(mult, key=lambda n: (mult[n], n), default=1)
-    if k > 1 and mult[k] >= 2:
-        first = next(f for f in facts if f.name == "warning" and warns[f.value] == k)
-        return k, f"{mult[k]} Python warnings each appear {k} times (once per process), e.g. line {first.line}"
+    warned = _per_process_warnings(facts)
+    if warned:
+        return warned
     if latest(facts, "torchrun"):
         return None, f"torchrun started several processes ({cite(latest(facts, 'torchrun'))}), how many is not stated"
     return 1, "assumed: no rank prefixes, repeated steps, per-process warnings or torchrun banner"
+
+
+def _given_world(cfg: DoctorConfig, writers: int, ranks: set[int]) -> tuple[int, str] | None:
+    """--world-size, unless the log proves otherwise; either way the report says which it believes and why."""
+    w = cfg.world_size
+    if not w:
+        return None
+    named = max(ranks) + 1 if ranks else 0
+    if named > w:
+        return named, (f"the log, not --world-size {w}: its [rankK]: prefixes name rank {named - 1}, so at least "
+                       f"{named} ranks ran")
+    if writers > 1 and writers != w:
+        return writers, (f"the log, not --world-size {w}: {writers} processes write every step, and a trainer whose "
+                         f"ranks all log has every rank write (if {w} is right, some ranks were silent)")
+    if writers == 1 and named and named < w:
+        return w, (f"--world-size (the log's prefixes name only ranks up to [rank{named - 1}]: the others printed "
+                   "nothing)")
+    return w, "--world-size"
+
+
+def _per_process_warnings(facts: list[Fact]) -> tuple[int, str] | None:
+    """Python warnings each process prints once: k copies of the same warning close together are k processes."""
+    seen: dict[str, list[int]] = {}
+    for f in facts:
+        if f.name == "warning" and len(seen.get(f.value, ())) < 4096:
+            seen.setdefault(f.value, []).append(f.line)
+    bursts = {text: len(at) for text, at in seen.items()
+              if len(at) > 1 and at[-1] - at[0] <= 8 * len(at) + 16}  # together, not once per step
+    mult = Counter(bursts.values())
+    if not mult:
+        return None
+    k = max(mult, key=lambda n: (mult[n], n))
+    text = next(t for t, n in bursts.items() if n == k)
+    if mult[k] >= 2:
+        return k, f"{mult[k]} Python warnings each appear {k} times (once per process), e.g. line {seen[text][0]}"
+    return k, f"a Python warning appears {k} times together (once per process), lines {seen[text][0]}-{seen[text][-1]}"
 
 
 def _samples_per_step(facts: list[Fact], cfg: DoctorConfig, done, world: int | None) -> tuple[int | None, str]:

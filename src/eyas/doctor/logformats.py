@@ -18,15 +18,20 @@ Formats (what each line looks like):
 
 Parsers are linear in the line length: lines are capped at MAX_LINE characters, no regex has nested
 quantifiers, and nothing is evaluated (SpecForge's dict reprs and JSON values are read with regexes or `json`).
+Memory is bounded whatever the log's length: `StepSample` keeps every step record of the first and last stretch
+of the log and, in between, a thinning sample that never drops what a verdict rests on (epoch boundaries, restarts,
+repeated lines, the lr reaching 0); pauses and the logging interval are measured as the lines stream past.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import heapq
 import json
 import math
 import re
+from collections import Counter, deque
 
 MAX_LINE = 65536  # characters kept of one line; the rest is ignored (and counted)
 
@@ -68,11 +73,14 @@ EYAS_EPOCH_END = re.compile(r"epoch (\d{1,6}): (" + _INT + r") samples processed
 
 # (fact name, pattern): the first group is the value. Phrases logs use for the figures doctor needs.
 STATED = [
-    ("samples", re.compile(r"(?:num[_ ]?(?:train[_ ]?)?samples|dataset[_ ]size|train(?:ing)?[_ ]samples|"
+    ("samples", re.compile(r"(?:num[_ ]?(?:train[_ ]?)?samples|dataset[_ ]size|"
+                           r"train(?:ing)?[_ ](?:samples|files|examples|conversations|dataset[_ ]size)|"
                            r"len\((?:train_?)?dataset\))\s{0,3}[:=]\s{0,3}(" + _INT + ")", re.I)),
     ("samples", re.compile(r"(?:loaded|found|using)\s{1,3}(" + _INT + r")\s{1,3}(?:train(?:ing)?\s{1,3})?"
                            r"(?:samples|examples|conversations)\b", re.I)),
     ("world_size", re.compile(r"world[_ ]size\s{0,3}[:=]?\s{0,3}(\d{1,6})\b", re.I)),
+    ("world_size", re.compile(r"(?:nproc[_-]per[_-]node|num[_ ]processes|num[_ ]gpus)\s{0,3}[:= ]\s{0,3}(\d{1,6})\b",
+                              re.I)),
     ("batches_per_epoch", re.compile(r"(?:batches|steps|iterations|iters)\s{0,3}(?:/|per)\s{0,3}epoch\s{0,3}[:=]?"
                                      r"\s{0,3}(" + _INT + ")", re.I)),
     ("batches_per_epoch", re.compile(r"len\((?:train_?)?(?:data_?)?loader\)\s{0,3}[:=]?\s{0,3}(" + _INT + ")", re.I)),
@@ -89,6 +97,14 @@ BAR = re.compile(r"(\d{1,3})%\s?\|?[^\d\r]{0,400}?\|?\s{0,3}(\d{1,12})/(\d{1,12}
 BAR_ELAPSED = re.compile(r"\s?(?:(\d{1,5}):)?(\d{1,2}):(\d\d)\s?<")  # tqdm `[01:02<...`, rich `[ 0:00:06 < ...`
 EPOCH_DONE = re.compile(r"training epoch (\d{1,6})/(\d{1,6}) (?:completed|complete|finished|done)", re.I)
 RUN_END = re.compile(r"(?:training|train)\b.{0,40}?\b(?:completed|complete|finished|done)\b|finished training", re.I)
+TRACEBACK = re.compile(r"^Traceback \(most recent call last\):")
+TB_FRAME = re.compile(r'^\s{1,8}File "([^"]{1,300})", line (\d{1,7})(?:, in (\S{1,100}))?')
+TB_ERROR = re.compile(r"^([A-Za-z_][\w.]{0,120}(?:Error|Exception|Exit|Interrupt|Fault))(?:: (.{0,300}))?$")
+WATCHDOG = re.compile(r"Watchdog caught collective operation timeout|NCCL (?:communicator|operation).{0,40}timed? ?out"
+                      r"|DistBackendError|ProcessGroupNCCL.{0,80}(?:timeout|Terminating the process)", re.I)
+NCCL_RANK = re.compile(r"\[Rank (\d{1,5})\]")
+ROOT_CAUSE = re.compile(r"^Root Cause \(first observed failure\)")
+ROOT_RANK = re.compile(r"^\s{0,4}rank\s{0,8}: (\d{1,5}) \(local_rank")
 CRASH = re.compile(r"Traceback \(most recent call last\)|out of memory|OutOfMemoryError|ChildFailedError|"
                    r"Watchdog caught collective operation timeout", re.I)
 VALIDATION = re.compile(r"\b(?:validation|validating|evaluating|evaluation)\b", re.I)
@@ -113,7 +129,9 @@ class Step:
     duration: float | None = None  # this step's own duration, when the log states it
     samples_seen: int | None = None  # global samples seen so far, when the log states it
     arrival: float | None = None  # wall-clock time the line was read (--follow), for logs without timestamps
-    key: str = ""  # the record's text without the rank prefix (duplicate detection)
+    key: int = 0  # hash of the record's text without the rank prefix (duplicate detection)
+    seq: int = 0  # 0-based index among all step records of the log (kept or not)
+    keep: bool = False  # StepSample: never thinned away (evidence a verdict may rest on)
 
 
 @dataclasses.dataclass(slots=True)
@@ -126,6 +144,78 @@ class Fact:
     text: str
 
 
+class StepSample:
+    """The step records a log keeps, in order, in bounded memory.
+
+    Every record of the last TAIL is kept; older ones are kept if they are evidence (`Step.keep`: the first HEAD
+    records, an epoch change and the record before it, a restart, a repeated line, the lr reaching 0) or if their
+    step value is a multiple of the stride, which doubles whenever more than LIMIT records are kept. All copies of
+    a step value (one per writer) share its fate, so writers are still counted on what is kept."""
+
+    HEAD, TAIL, LIMIT = 4096, 4096, 60_000
+
+    def __init__(self):
+        self.kept: list[Step] = []
+        self.tail: deque[Step] = deque()
+        self.stride = 1
+        self.count = 0  # records seen
+        self._last: dict[int | None, Step] = {}  # the previous record of each rank (None: unprefixed)
+        self._lr_peak = 0.0
+        self.evidence = 0  # records marked as evidence after the head
+
+    def add(self, step: Step) -> None:
+        step.seq = self.count
+        self.count += 1
+        prev = self._last.get(step.rank)
+        if self.count <= self.HEAD:
+            step.keep = True
+        elif prev is not None and self.evidence < self.LIMIT // 2:  # evidence is bounded too (hostile logs)
+            if prev.epoch is not None and step.epoch is not None and int(step.epoch) != int(prev.epoch):
+                self._mark(step, prev)
+            elif step.step is not None and prev.step is not None and step.step < prev.step - 2:
+                self._mark(step, prev)  # a restart, or an epoch-local counter starting again
+            elif step.rank is not None and step.key == prev.key:
+                self._mark(step, prev)  # a rank repeating its line (unprefixed writers repeat each other's)
+            elif step.lr is not None and prev.lr is not None and step.lr <= 1e-6 * self._lr_peak < prev.lr:
+                self._mark(step)  # the lr reached 0
+        if step.lr is not None:
+            self._lr_peak = max(self._lr_peak, step.lr)
+        self._last[step.rank] = step
+        self.tail.append(step)
+        if len(self.tail) > self.TAIL:
+            self._retire(self.tail.popleft())
+
+    def _mark(self, *steps: Step) -> None:
+        for s in steps:
+            if not s.keep:
+                s.keep = True
+                self.evidence += 1
+
+    def _retire(self, s: Step) -> None:
+        if self._wanted(s):
+            self.kept.append(s)
+            while len(self.kept) > self.LIMIT:
+                self.stride *= 2
+                self.kept = [k for k in self.kept if self._wanted(k)]
+
+    def _wanted(self, s: Step) -> bool:
+        return s.keep or (s.step if s.step is not None else s.seq) % self.stride == 0
+
+    def steps(self) -> list[Step]:
+        return self.kept + list(self.tail)
+
+
+def _search(rx: re.Pattern, text: str, low: str, word: str, other: str = "") -> re.Match | None:
+    """`rx.search(text)`, started just before the first of the words it needs (found in lower-cased `low`): no
+    match can begin more than 8 characters before it, and most lines lack the words altogether."""
+    at = low.find(word)
+    if other:
+        j = low.find(other)
+        if j >= 0 and (at < 0 or j < at):
+            at = j
+    return rx.search(text, at - 8 if at > 8 else 0) if at >= 0 else None
+
+
 def _int(s: str) -> int:
     return int(s.replace(",", ""))
 
@@ -136,6 +226,8 @@ def _is_int(v) -> bool:
 
 def _float(s) -> float | None:
     """A finite float, or None (logs print nan and inf; nothing downstream wants them)."""
+    if s is None:
+        return None
     try:
         v = float(s)
     except (TypeError, ValueError, OverflowError):
@@ -151,19 +243,27 @@ class Clock:
         self.guessed = False  # the date's year is a guess (glog stamps carry month and day only)
         self.days = 0
         self.last: float | None = None
+        self.tod = 0.0
+        self._day: tuple | None = None  # the last ISO date read, as text
+        self.end = 0  # where the stamp ended in the text last read (0: no stamp)
 
     def read(self, text: str) -> float | None:
         """The timestamp at the start of `text` in seconds, or None; updates `last`."""
         head = text[:48]
+        self.end = 0
         m = ISO_TS.search(head)
         if m:
-            y, mo, d, h, mi, s = (int(x) for x in m.groups()[:6])
-            if not self._date(y, mo, d, guessed=False):
-                return None
-            return self._time(h, mi, s, m.group(7))
+            self.end = m.end()
+            day = m.group(1, 2, 3)
+            if day != self._day:  # a new date (most stamps repeat the last one)
+                if not self._date(int(day[0]), int(day[1]), int(day[2]), guessed=False):
+                    return None
+                self._day = day
+            return self._time(int(m.group(4)), int(m.group(5)), int(m.group(6)), m.group(7))
         m = GLOG_TS.match(head) or TIME_TS.match(head)
         if not m:
             return None
+        self._day, self.end = None, m.end()
         g = m.groups()
         if len(g) == 6:  # glog: month, day, h, m, s, fraction (no year)
             if not self._date(self.date.year if self.date else 2000, int(g[0]), int(g[1]), guessed=True):
@@ -193,7 +293,8 @@ class Clock:
     def _time(self, h: int, mi: int, s: int, frac: str | None) -> float | None:
         if h > 23 or mi > 59 or s > 60:
             return None
-        t = self.days * 86400 + h * 3600 + mi * 60 + s + (float("0." + frac) if frac else 0.0)
+        self.tod = h * 3600 + mi * 60 + s + (float("0." + frac) if frac else 0.0)  # time of day, writer's zone
+        t = self.days * 86400 + self.tod
         if self.last is not None and t < self.last - 43200:  # time of day wrapped past midnight
             self.days += 1
             t += 86400
@@ -205,7 +306,7 @@ class LogParser:
     """Feed lines in order; read `steps`, `facts` and `formats` (format name -> first line) at any time."""
 
     def __init__(self):
-        self.steps: list[Step] = []
+        self.sample = StepSample()
         self.facts: list[Fact] = []
         self.formats: dict[str, int] = {}
         self.lines = 0
@@ -216,6 +317,35 @@ class LogParser:
         self._rich_rank: int | None = None
         self._rich_time: float | None = None
         self._arrival: float | None = None
+        self.wall_line = 0  # the line of the last wall-clock stamp (0: none)
+        self._unix: float | None = None  # that stamp, if it was a Unix time (metrics.jsonl's "time")
+        self.gaps: list[tuple] = []  # the largest (seconds, line, line, rank or -1) between a rank's timed steps
+        self.deltas: Counter = Counter()  # step-counter increments between a rank's consecutive records
+        self._timed: dict[int | None, tuple[float, int]] = {}
+        self._counter: dict[int | None, int] = {}
+        self._tb: dict[int | None, dict] = {}  # tracebacks being read, by rank
+        self._generic: tuple[str | None, tuple | None] = (None, None)  # the last generic record read, and its values
+        self._epochs_stated: Fact | None = None
+        self._root_cause = False
+
+    @property
+    def steps(self) -> list[Step]:
+        """The step records kept (all of a short log; a bounded sample of a long one), in order."""
+        return self.sample.steps()
+
+    @property
+    def wall(self) -> tuple | None:
+        """The last wall-clock stamp: ("unix", seconds), ("local", time of day, date, date guessed), or None."""
+        if not self.wall_line:
+            return None
+        if self._unix is not None:
+            return ("unix", self._unix)
+        return ("local", self.clock.tod, self.clock.date, self.clock.guessed)
+
+    @property
+    def step_records(self) -> int:
+        """Step records seen, kept or not."""
+        return self.sample.count
 
     def feed(self, lineno: int, text: str, arrival: float | None = None) -> None:
         self.lines = max(self.lines, lineno)
@@ -224,6 +354,11 @@ class LogParser:
             text, self.truncated = text[:MAX_LINE], self.truncated + 1
         if "\x1b" in text:
             text = ANSI.sub("", text)
+        if "\r" not in text:
+            text = text.rstrip()
+            if text:
+                self._segment(lineno, text)
+            return
         for segment in text.split("\r"):  # progress bars redraw with carriage returns inside one line
             if segment.strip():
                 self._segment(lineno, segment.rstrip())
@@ -238,9 +373,10 @@ class LogParser:
         m = RANK_PREFIX.match(seg)
         if m:
             rank, seg = int(m.group(1)), seg[m.end():]
-            self._format("torchrun [rankK]: prefixes", lineno)
-            if len(self.ranks) < 4096:
-                self.ranks.add(rank)
+            if rank not in self.ranks:
+                self._format("torchrun [rankK]: prefixes", lineno)
+                if len(self.ranks) < 4096:
+                    self.ranks.add(rank)
         if self._rich and self._rich_rank == rank and len(self._rich) < 400:  # records are bounded
             cont = RICH_CONT.match(seg)
             if cont:
@@ -248,6 +384,8 @@ class LogParser:
                 return
         self._flush_rich()
         own_time = self.clock.read(seg)
+        if own_time is not None:
+            self._unix, self.wall_line = None, lineno
         head = RICH_HEAD.match(seg)
         if head:
             self._rich, self._rich_rank = [(lineno, RICH_SOURCE.sub("", head.group(1)))], rank
@@ -256,10 +394,11 @@ class LogParser:
         if self._json_step(lineno, seg, rank) or self._specforge(lineno, seg, rank, own_time):
             return
         if not self._eyas_console(lineno, seg) and not self._generic_step(lineno, seg, rank, own_time):
-            self._facts(lineno, seg)
+            self._facts(lineno, seg, rank)
 
     def _format(self, name: str, lineno: int) -> None:
-        self.formats.setdefault(name, lineno)
+        if name not in self.formats:
+            self.formats[name] = lineno
 
     def _fact(self, lineno: int, name: str, value, text: str) -> None:
         if _is_int(value) and value < 1:
@@ -268,7 +407,22 @@ class LogParser:
 
     def _add(self, step: Step) -> None:
         step.arrival = self._arrival
-        self.steps.append(step)
+        r = step.rank
+        if step.step is not None:
+            before = self._counter.get(r)
+            if before is not None and step.step > before and len(self.deltas) < 256:
+                self.deltas[step.step - before] += 1
+            self._counter[r] = step.step
+        if step.time is not None:
+            before = self._timed.get(r)
+            if before is not None and step.time > before[0]:
+                gap = (step.time - before[0], before[1], step.line, r if r is not None else -1)
+                if len(self.gaps) < 64:
+                    heapq.heappush(self.gaps, gap)
+                elif gap > self.gaps[0]:
+                    heapq.heapreplace(self.gaps, gap)
+            self._timed[r] = (step.time, step.line)
+        self.sample.add(step)
         self._format(step.fmt, step.line)
 
     # -- eyas metrics.jsonl ---------------------------------------------------------------------------------
@@ -289,19 +443,23 @@ class LogParser:
                        lr=num.get("lr"), loss=num.get("loss"), time=num.get("elapsed_s"),
                        samples_seen=rec["samples_seen_global"] if _is_int(rec.get("samples_seen_global")) and
                        rec["samples_seen_global"] > 0 else None,
-                       key=s))
+                       key=hash(s)))
+        if isinstance(rec.get("time"), (int, float)) and math.isfinite(rec["time"]):
+            self._unix, self.wall_line = float(rec["time"]), lineno
         return True
 
     # -- SpecForge ------------------------------------------------------------------------------------------
     def _specforge(self, lineno: int, seg: str, rank: int | None, own_time: float | None) -> bool:
+        if ": {" not in seg:
+            return False
         matches = list(SF_STEP.finditer(seg))
         for i, m in enumerate(matches):
             end = matches[i + 1].start() if i + 1 < len(matches) else len(seg)
-            body = seg[m.end():end]
-            kv = {k: _float(v) for k, v in SF_KV.findall(body)}
-            self._add(Step(lineno, "SpecForge `step N: {...}`", step=int(m.group(1)), rank=rank, epoch=kv.get("epoch"),
-                           lr=kv.get("lr"), loss=kv.get("loss"), time=own_time,
-                           duration=kv.get("perf/optimizer_step_time_s"), key=seg[m.start():end].strip()))
+            kv = dict(SF_KV.findall(seg, m.end(), end))
+            self._add(Step(lineno, "SpecForge `step N: {...}`", step=int(m.group(1)), rank=rank,
+                           epoch=_float(kv.get("epoch")), lr=_float(kv.get("lr")), loss=_float(kv.get("loss")),
+                           time=own_time, duration=_float(kv.get("perf/optimizer_step_time_s")),
+                           key=hash(seg[m.start():end].strip())))
         return bool(matches)
 
     # -- speculators (rich console records over several lines) ----------------------------------------------
@@ -319,13 +477,15 @@ class LogParser:
                 self._add(Step(first, "speculators console", step=int(step), rank=rank,
                                epoch=_float(kv.get("epoch", "")), lr=_float(kv.get("lr", "")),
                                loss=_float(kv.get("train/loss", "")), time=self._rich_time,
-                               duration=dur / 1000 if dur is not None else None, key=msg))
+                               duration=dur / 1000 if dur is not None else None, key=hash(msg)))
                 return
         for lineno, text in parts:  # facts keep the line where they are written
-            self._facts(lineno, text)
+            self._facts(lineno, text, rank)
 
     # -- eyas console -----------------------------------------------------------------------------------------
     def _eyas_console(self, lineno: int, seg: str) -> bool:
+        if "data: " not in seg and "plan: " not in seg and " processed (global)" not in seg:
+            return False
         m = EYAS_DATA.search(seg)
         if m:  # eyas.train.sharding.Audit.line()
             n, w, lo, hi, k, how, units, dis = m.groups()
@@ -355,23 +515,41 @@ class LogParser:
 
     # -- generic step lines -----------------------------------------------------------------------------------
     def _generic_step(self, lineno: int, seg: str, rank: int | None, own_time: float | None) -> bool:
-        lr = GEN_LR.search(seg)
-        if not lr:
+        body = seg[self.clock.end:] if own_time is not None else seg
+        if body == self._generic[0]:  # another rank's copy of the record just read (only the stamp differs)
+            values = self._generic[1]
+        else:
+            values = self._generic_values(lineno, seg)
+            self._generic = (body, values)
+        if values is None:
             return False
-        st, ep = GEN_STEP.search(seg), GEN_EPOCH.search(seg)
-        if not (st or ep):
-            return False
-        loss = GEN_LOSS.search(seg)
-        of = int(st.group(2)) if st and st.group(2) else None
-        if ep and ep.group(2):
-            self._fact(lineno, "epochs", int(ep.group(2)), seg)
-        self._add(Step(lineno, "generic (step/epoch and lr)", step=int(st.group(1)) if st else None, of=of, rank=rank,
-                       epoch=_float(ep.group(1)) if ep else None, lr=_float(lr.group(1)),
-                       loss=_float(loss.group(1)) if loss else None, time=own_time, key=seg.strip()))
+        step, of, epoch, lr, loss = values
+        self._add(Step(lineno, "generic (step/epoch and lr)", step=step, of=of, rank=rank, epoch=epoch, lr=lr,
+                       loss=loss, time=own_time, key=hash(seg.strip())))
         return True
 
+    def _generic_values(self, lineno: int, seg: str) -> tuple | None:
+        """(step, of, epoch, lr, loss) of a generic step line, or None if it is not one."""
+        low = seg.lower()
+        lr = _search(GEN_LR, seg, low, "lr", "learning")
+        if not lr:
+            return None
+        st, ep = _search(GEN_STEP, seg, low, "step", "iter"), _search(GEN_EPOCH, seg, low, "epoch")
+        if not (st or ep):
+            return None
+        loss = _search(GEN_LOSS, seg, low, "loss")
+        if ep and ep.group(2):
+            epochs = int(ep.group(2))
+            last = self._epochs_stated
+            if last is None or last.value != epochs:  # once per value, not once per line
+                self._fact(lineno, "epochs", epochs, seg)
+                self._epochs_stated = self.facts[-1] if self.facts and self.facts[-1].name == "epochs" else last
+        return (int(st.group(1)) if st else None, int(st.group(2)) if st and st.group(2) else None,
+                _float(ep.group(1)) if ep else None, _float(lr.group(1)), _float(loss.group(1)) if loss else None)
+
     # -- stated figures and markers -----------------------------------------------------------------------------
-    def _facts(self, lineno: int, seg: str) -> None:
+    def _facts(self, lineno: int, seg: str, rank: int | None = None) -> None:
+        self._crash(lineno, seg, rank)
         for name, rx in STATED:
             for m in rx.finditer(seg):
                 self._fact(lineno, name, _int(m.group(1)), seg)
@@ -392,3 +570,33 @@ class LogParser:
                 self._fact(lineno, name, True, seg)
         if PY_WARNING.match(seg):
             self._fact(lineno, "warning", seg.strip()[:300], seg)
+
+    def _crash(self, lineno: int, seg: str, rank: int | None) -> None:
+        """Tracebacks (per rank: the exception, its message, its innermost frame), NCCL timeouts, the root cause."""
+        if TRACEBACK.match(seg):
+            self._tb[rank] = {"line": lineno, "where": ""}
+            return
+        tb = self._tb.get(rank)
+        if tb is not None:
+            frame = TB_FRAME.match(seg)
+            if frame:
+                tb["where"] = f'{frame.group(1)}, line {frame.group(2)}' + (f", in {frame.group(3)}" if frame.group(3)
+                                                                          else "")
+                return
+            err = TB_ERROR.match(seg)
+            if err:
+                del self._tb[rank]
+                self._fact(lineno, "crash_error", {"rank": rank, "type": err.group(1), "message": err.group(2) or "",
+                                                   "where": tb["where"], "traceback_line": tb["line"]}, seg)
+                return
+            if not seg.startswith(" "):  # the traceback ended without an exception line we know
+                del self._tb[rank]
+        if WATCHDOG.search(seg):
+            m = NCCL_RANK.search(seg)
+            who = rank if rank is not None else int(m.group(1)) if m else None
+            self._fact(lineno, "crash_timeout", {"rank": who}, seg)
+        if ROOT_CAUSE.match(seg):
+            self._root_cause = True
+        elif self._root_cause and (m := ROOT_RANK.match(seg)):
+            self._root_cause = False
+            self._fact(lineno, "root_cause", {"rank": int(m.group(1))}, seg)

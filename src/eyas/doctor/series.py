@@ -67,8 +67,8 @@ def normalise(series: list[Step]) -> tuple[list[tuple[int, Step]], list[dict], i
     restarts each epoch, and whether the counter starts at 0."""
     zero = min((s.step for s in series if s.step is not None), default=1) == 0
     done, restarts, offset, per_epoch, prev = [], [], 0, None, None
-    for i, s in enumerate(series):
-        count = (s.step + (1 if zero else 0)) if s.step is not None else i + 1  # steps done (lines, if no counter)
+    for s in series:
+        count = (s.step + (1 if zero else 0)) if s.step is not None else s.seq + 1  # steps (records, if no counter)
         v = count + offset
         if prev is not None and v < prev[0]:
             if s.epoch is not None and prev[1].epoch is not None and s.epoch > prev[1].epoch and count <= 1:
@@ -84,10 +84,9 @@ def normalise(series: list[Step]) -> tuple[list[tuple[int, Step]], list[dict], i
     return done, restarts, per_epoch, zero
 
 
-def log_every(done: list) -> int:
-    """Steps between two logged lines (the median gap)."""
-    diffs = [b - a for (a, _), (b, _) in itertools.pairwise(done) if b > a]
-    return int(statistics.median(diffs)) if diffs else 1
+def log_every(deltas: Counter) -> int:
+    """Steps between two logged lines: the commonest increment of a rank's step counter (as the lines streamed)."""
+    return max(deltas, key=lambda d: (deltas[d], -d)) if deltas else 1
 
 
 def bar_steps(facts: list[Fact]) -> list[Step]:
@@ -104,7 +103,7 @@ def bar_steps(facts: list[Fact]) -> list[Step]:
         v = steps0 + n
         if not out or v > out[-1].step:
             out.append(Step(f.line, "progress bar (tqdm/rich)", step=v, of=steps0 + total,
-                            time=None if elapsed is None else time0 + elapsed, key=f.text))
+                            time=None if elapsed is None else time0 + elapsed, key=hash(f.text)))
             prev = f.value
     return out
 
@@ -142,8 +141,8 @@ def schedule_length(done: list[tuple[int, Step]]) -> tuple[int | None, str]:
     if end is not None:
         return end[0], f"lr reached 0 at step {fmt_int(end[0])} (line {end[2]})"
     decay = [(v, lr / peak) for v, lr, _ in pts[i0:] if 0.02 < lr / peak < 0.995]
-    if len(decay) < 3 or decay[-1][0] == decay[0][0]:
-        return None, ""
+    if len(decay) < 3 or decay[-1][0] == decay[0][0] or decay[-1][1] > 0.9:
+        return None, ""  # under a tenth of the decay seen: the start of a cosine looks like any slow line
     best = None
     for shape, y in (("linear", lambda r: 1 - r), ("cosine", lambda r: math.acos(2 * r - 1) / math.pi)):
         xs, ys = [v for v, _ in decay], [y(r) for _, r in decay]

@@ -277,7 +277,7 @@ class Trainer:
         rec = {"step": g.step, "epoch": epoch, "lr": s.lr, "loss": round(s.loss, 6),
                "loss_i": [round(x, 6) for x in s.loss_i], "acc_i": [round(x, 6) for x in s.acc_i],
                "tokens_per_s": round(s.tokens / max(s.seconds, 1e-9), 1), "samples_seen_global": g.samples_seen,
-               "elapsed_s": round(self.elapsed(), 3), "grad_norm": round(s.grad_norm, 6)}
+               "elapsed_s": round(self.elapsed(), 3), "time": round(time.time(), 3), "grad_norm": round(s.grad_norm, 6)}
         if self.tag:
             rec["duplicate_data"] = True
         self.parts.metrics.write(rec)
