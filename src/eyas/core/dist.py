@@ -56,19 +56,6 @@ def pick_device(preference: str = "auto", local_rank: int = 0) -> str:
     return f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
 
 
-def cpu_threads(requested: int, local_world_size: int = 1) -> tuple[int, str]:
-    """(threads for this process's CPU work, why): --threads when given, else an explicit OMP_NUM_THREADS (the
-    user's setting wins over eyas's choice), else the cores this process may run on, shared by its node's ranks."""
-    if requested:
-        return requested, "--threads"
-    env = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if env.isdigit() and int(env) > 0:
-        return int(env), f"OMP_NUM_THREADS={env}"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    share = max(1, cores // max(1, local_world_size))
-    return share, f"{cores} cores" + (f" shared by {local_world_size} ranks" if local_world_size > 1 else "")
-
-
 def init(device: str = "auto", timeout_s: float = 600.0) -> DistEnv:
     """Initialise the process group if launched with WORLD_SIZE > 1; returns this process's DistEnv."""
     env = read_env()

@@ -132,3 +132,130 @@ class BatchGenerator:
             x = layer_forward(layer, (self.wqkv[i], self.bqkv[i], self.wgu[i]), (self.nh, self.nkv, self.hd), x,
                               cos, sin, self.k[i], self.v[i], start, sdpa)
         return self.model.lm_head(body.norm(x[:, -1]))  # [B,V]
+
+
+class SlotGenerator:
+    """Continuous batching: up to `slots` rows decode together over one preallocated cache, and a finished row's
+    slot takes the next prompt at once, so no row waits for the longest one of its batch.
+
+    `submit(key, prompt)` queues a prompt; `step()` admits queued prompts into free slots (each prefilled alone,
+    its first token picked), decodes one token for every busy slot, and returns [(key, new tokens)] of the rows
+    that finished (a stop token included when one ended it). Slot s holds its row's keys and values at columns
+    0..len[s]; a decode step writes each row's new column at its own length and masks every column past it, so a
+    row is decoded as if alone (positions from 0), whatever its neighbours and the order rows were refilled in.
+    The cache grows (doubling its columns) when a longer row arrives."""
+
+    def __init__(self, target, slots: int, max_new: int, stops: set[int], temperature: float = 0.0,
+                 top_p: float = 1.0, generator: torch.Generator | None = None):
+        self.lean = BatchGenerator(target)
+        self.target, self.S, self.max_new = target, slots, max_new
+        self.stop = torch.tensor(sorted(stops) or [-1], device=target.device)
+        self.sampling = (temperature, top_p, generator)
+        self.queue: list[tuple[object, list[int]]] = []
+        self.key: list[object | None] = [None] * slots  # the row each slot holds (None: free)
+        self.out: list[list[int]] = [[] for _ in range(slots)]
+        self.len = torch.zeros(slots, dtype=torch.long, device=target.device)  # cache columns filled, per slot
+        self.last = torch.zeros(slots, dtype=torch.long, device=target.device)  # the token each slot feeds next
+        self.cap = 0
+        self.k = self.v = None
+
+    def submit(self, key, prompt: list[int]) -> None:
+        self.queue.append((key, prompt))
+
+    def busy(self) -> int:
+        return sum(k is not None for k in self.key)
+
+    def idle(self) -> bool:
+        return not self.queue and not self.busy()
+
+    def _room(self, need: int) -> None:
+        """Cache columns for `need` tokens in every slot (grown by doubling, the filled columns kept)."""
+        if need <= self.cap:
+            return
+        cap = max(need, 2 * self.cap, 256)
+        lean, dev, dt = self.lean, self.target.device, self.target.dtype
+        k = torch.zeros(len(lean.layers), self.S, lean.nkv, cap, lean.hd, dtype=dt, device=dev)
+        v = torch.zeros_like(k)
+        if self.k is not None:
+            k[..., :self.cap, :], v[..., :self.cap, :] = self.k, self.v
+        self.k, self.v, self.cap = k, v, cap
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[object, list[int]]]:
+        done: list[tuple[object, list[int]]] = []
+        for s in range(self.S):  # admit: prefill each queued prompt alone into a free slot
+            while self.key[s] is None and self.queue:
+                key, prompt = self.queue.pop(0)
+                self._room(len(prompt) + self.max_new)
+                tok = self._prefill(s, prompt)
+                self.key[s], self.out[s] = key, [tok]
+                if tok in self.stop.tolist() or self.max_new == 1:
+                    done.append(self._retire(s))
+        busy = [s for s in range(self.S) if self.key[s] is not None]
+        if not busy:
+            return done
+        tok = self._decode(busy)  # [S]
+        stopped = torch.isin(tok, self.stop).tolist()
+        for s in busy:
+            self.out[s].append(int(tok[s]))
+            if stopped[s] or len(self.out[s]) >= self.max_new:
+                done.append(self._retire(s))
+        return done
+
+    def _retire(self, s: int) -> tuple[object, list[int]]:
+        key, row = self.key[s], self.out[s]
+        self.key[s], self.out[s] = None, []
+        self.len[s] = 0
+        return key, row
+
+    def _pick(self, logits: torch.Tensor) -> torch.Tensor:
+        return BatchGenerator._pick(logits, *self.sampling)
+
+    def _prefill(self, s: int, prompt: list[int]) -> int:
+        lean, dev = self.lean, self.target.device
+        n = len(prompt)
+        ids = torch.tensor([prompt], device=dev)
+        body = lean.model.model
+        x = body.embed_tokens(ids)
+        cos, sin = body.rotary_emb(x, torch.arange(n, device=dev)[None])
+        cos, sin = cos[:, None], sin[:, None]
+
+        def causal(qs, ks, vs):
+            return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=lean.nkv != lean.nh)
+
+        for i, layer in enumerate(lean.layers):
+            x = layer_forward(layer, (lean.wqkv[i], lean.bqkv[i], lean.wgu[i]), (lean.nh, lean.nkv, lean.hd), x,
+                              cos, sin, self.k[i, s:s + 1], self.v[i, s:s + 1], 0, causal)
+        tok = int(self._pick(lean.model.lm_head(body.norm(x[:, -1])))[0])
+        self.len[s], self.last[s] = n, tok
+        return tok
+
+    def _decode(self, busy: list[int]) -> torch.Tensor:
+        """One token for every slot (free slots compute on whatever they hold; their tokens are ignored)."""
+        lean = self.lean
+        body = lean.model.model
+        S, cols = self.S, self.len  # each row's new column is its current length
+        width = int(cols.max()) + 1
+        x = body.embed_tokens(self.last[:, None])  # [S,1,H]
+        cos, sin = body.rotary_emb(x, cols[:, None])
+        cos, sin = cos[:, None], sin[:, None]
+        mask = (torch.arange(width, device=cols.device)[None] <= cols[:, None])[:, None, None]  # [S,1,1,width]
+        rows = torch.arange(S, device=cols.device)
+        nh, nkv, hd = lean.nh, lean.nkv, lean.hd
+        for i, layer in enumerate(lean.layers):
+            wqkv, bqkv, wgu = lean.wqkv[i], lean.bqkv[i], lean.wgu[i]
+            qs, ks, vs = F.linear(layer.input_layernorm(x), wqkv, bqkv).split((nh * hd, nkv * hd, nkv * hd), dim=-1)
+            qs = rotate(qs.view(S, 1, nh, hd).transpose(1, 2), cos, sin)  # [S,nh,1,hd]
+            ks = rotate(ks.view(S, 1, nkv, hd).transpose(1, 2), cos, sin)  # [S,nkv,1,hd]
+            k, v = self.k[i], self.v[i]
+            k[rows, :, cols] = ks[:, :, 0]
+            v[rows, :, cols] = vs.view(S, nkv, hd)
+            o = F.scaled_dot_product_attention(qs, k[:, :, :width], v[:, :, :width], attn_mask=mask,
+                                               enable_gqa=nkv != nh)
+            x = x + layer.self_attn.o_proj(o.transpose(1, 2).reshape(S, 1, nh * hd))
+            g, u = F.linear(layer.post_attention_layernorm(x), wgu).chunk(2, dim=-1)
+            x = x + layer.mlp.down_proj(F.silu(g) * u)
+        tok = self._pick(lean.model.lm_head(body.norm(x[:, -1])))  # [S]
+        self.len[busy] += 1
+        self.last = tok
+        return tok

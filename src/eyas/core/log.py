@@ -22,8 +22,10 @@ class Console:
         self.stream = stream or sys.stderr
 
     def print(self, *parts, force: bool = False) -> None:
+        """A line, written above any progress bar that is showing."""
         if force or not self.quiet:
-            print(*parts, file=self.stream, flush=True)
+            tqdm.write(" ".join(str(x) for x in parts), file=self.stream)
+            self.stream.flush()
 
     def progress(self, iterable: Iterable[T] | None = None, *, total: float | None = None, desc: str = "",
                  unit: str = "it", **kw) -> tqdm:

@@ -31,9 +31,10 @@ from eyas.core.config import StageConfig, changed_settings, check, opt
 from eyas.core.dist import pick_device
 from eyas.core.errors import EyasError, Incomplete
 from eyas.core.files import read_json, write_json
-from eyas.core.generate import BatchGenerator, supports
+from eyas.core.generate import BatchGenerator, SlotGenerator, supports
 from eyas.core.log import console, fmt_duration, fmt_int
 from eyas.core.target import DEFAULT_TARGET, load_target
+from eyas.core.threads import Threads
 from eyas.data.chat import ChatRenderer
 from eyas.data.formats import (
     Conversation,
@@ -64,6 +65,8 @@ class RegenerateConfig(StageConfig):
                          "(transformers generate, any model); auto = lean where it applies",
                          choices=("auto", "lean", "hf"))
     device: str = opt("auto", "local backend: auto, cpu, cuda, cuda:1, ...")
+    threads: int = opt(0, "local backend: CPU threads (0: the cores other work leaves free, re-checked as it runs; "
+                          "an explicit OMP_NUM_THREADS also wins)")
     dtype: str = opt("float32", "local backend: float32, bfloat16 or float16",
                      choices=("float32", "bfloat16", "float16"))
     server: str = opt("", "OpenAI-compatible server URL (e.g. http://127.0.0.1:8000); empty: generate locally")
@@ -87,6 +90,7 @@ class RegenerateConfig(StageConfig):
         check(self.temperature >= 0, f"--temperature {self.temperature} is negative", "use 0 for greedy")
         check(0 < self.top_p <= 1, f"--top-p {self.top_p} is not in (0, 1]", "use e.g. 0.95, or 1")
         check(self.batch_size >= 1, f"--batch-size {self.batch_size} is below 1", "use e.g. 8")
+        check(self.threads >= 0, f"--threads {self.threads} is negative", "use 0 for the free cores")
         check(self.concurrency >= 1, f"--concurrency {self.concurrency} is below 1", "use e.g. 8")
         check(self.timeout > 0 and self.retry_time >= 0 and self.retries >= 0,
               "--timeout must be positive and --retries, --retry-time not negative", "use the defaults")
@@ -101,9 +105,11 @@ class LocalBackend:
     """The target itself, answering `batch_size` conversations per `generate` call."""
 
     def __init__(self, cfg: RegenerateConfig, con):
-        self.cfg = cfg
-        self.target = load_target(cfg.target, dtype=cfg.dtype, device=pick_device(cfg.device),
-                                  trust_remote_code=cfg.trust_remote_code)
+        self.cfg, self.con = cfg, con
+        device = pick_device(cfg.device)
+        self.cpu = Threads(cfg.threads, 1, device)
+        con.print("threads: %d (%s)" % self.cpu.apply())
+        self.target = load_target(cfg.target, dtype=cfg.dtype, device=device, trust_remote_code=cfg.trust_remote_code)
         con.print(self.target.info())
         self.renderer = ChatRenderer(self.target.tokenizer)
         self.stops = self.renderer.stop_token_ids()
@@ -138,9 +144,25 @@ class LocalBackend:
             return Failed(LEFT_OUT, f"{n} tokens exceed --max-prompt-tokens {self.cfg.max_prompt_tokens}")
         return Failed(TOO_LONG, f"{n} tokens + --max-new-tokens {self.cfg.max_new_tokens} exceed the context")
 
+    def prompt_ids(self, prompt: list[dict]) -> list[int] | Failed:
+        """The rendered prompt's token ids, or a Failed if it is too long for the target's context."""
+        ids = self.renderer.prompt_ids(prompt)
+        return ids if len(ids) <= self.max_prompt else self._too_long(len(ids))
+
+    def slots(self) -> SlotGenerator:
+        """The continuous-batching engine over `--batch-size` slots (the lean decoder only)."""
+        cfg = self.cfg
+        return SlotGenerator(self.target, cfg.batch_size, cfg.max_new_tokens, set(self.stops), cfg.temperature,
+                             cfg.top_p, self.rng)
+
+    def recheck_threads(self) -> None:
+        if changed := self.cpu.recheck():
+            self.con.print(changed)
+
     def generate(self, prompts: list[list[dict]]) -> list[Reply | Failed]:
         """One reply per prompt (a Failed for a prompt too long for the target's context)."""
 
+        self.recheck_threads()
         ids = [self.renderer.prompt_ids(p) for p in prompts]
         ok = [i for i, x in enumerate(ids) if len(x) <= self.max_prompt]
         out: list[Reply | Failed] = [self._too_long(len(x)) for x in ids]
@@ -151,7 +173,7 @@ class LocalBackend:
             rows = self.lean.generate([ids[i] for i in ok], cfg.max_new_tokens, set(self.stops), cfg.temperature,
                                       cfg.top_p, self.rng)
             for row, i in zip(rows, ok):
-                out[i] = self._reply(row)
+                out[i] = self.reply(row)
             return out
         width = max(len(ids[i]) for i in ok)
         batch = torch.tensor([[self.pad] * (width - len(ids[i])) + ids[i] for i in ok])  # [B, T] left-padded
@@ -160,7 +182,7 @@ class LocalBackend:
         with torch.no_grad():
             gen = self.target.model.generate(input_ids=batch.to(dev), attention_mask=attn.to(dev), **self._sampling())
         for row, i in zip(gen[:, width:].tolist(), ok):  # [B, new] generated tokens
-            out[i] = self._reply(row)
+            out[i] = self.reply(row)
         return out
 
     def _sampling(self) -> dict:
@@ -172,7 +194,7 @@ class LocalBackend:
             kw.update(stop_strings=self.renderer.stop_strings, tokenizer=self.target.tokenizer)
         return kw
 
-    def _reply(self, row: list[int]) -> Reply:
+    def reply(self, row: list[int]) -> Reply:
         end = next((k for k, t in enumerate(row) if t in self.stops), None)
         toks = row if end is None else row[:end]
         text = self.target.tokenizer.decode(toks, skip_special_tokens=True)
@@ -182,7 +204,14 @@ class LocalBackend:
 
 
 def run_local(backend: LocalBackend, todo: list[Conversation], sink: Sink) -> None:
-    """Keep `batch_size` conversations active; each step answers the next user turn of all of them."""
+    """Keep `batch_size` conversations active: the lean decoder refills a finished row's slot at once
+    (`run_slots`); transformers' `generate` answers the next user turn of all of them together (`run_batches`)."""
+    return (run_slots if backend.lean is not None else run_batches)(backend, todo, sink)
+
+
+def run_batches(backend: LocalBackend, todo: list[Conversation], sink: Sink) -> None:
+    """Batch by batch: each step answers the next user turn of all `batch_size` active conversations, and waits
+    for the longest reply among them."""
     queue = iter(todo)
     active: list[tuple[Dialogue, list[dict]]] = []
     while True:
@@ -208,6 +237,43 @@ def run_local(backend: LocalBackend, todo: list[Conversation], sink: Sink) -> No
             else:
                 still.append((d, prompt))
         active = still
+
+
+def run_slots(backend: LocalBackend, todo: list[Conversation], sink: Sink) -> None:
+    """Continuous batching: `batch_size` slots decode together; when a reply ends, its conversation's next turn
+    (or the next conversation) takes the slot at once, so no slot waits for the longest reply of a batch."""
+    engine, queue, steps, made = backend.slots(), iter(todo), 0, 0
+
+    def offer(d: Dialogue, prompt: list[dict] | None) -> None:
+        if prompt is None:
+            sink.finished(d)
+            return
+        ids = backend.prompt_ids(prompt)
+        if isinstance(ids, Failed):
+            sink.failed(d.conv, ids)
+        else:
+            engine.submit(d, ids)
+
+    while True:
+        while engine.busy() + len(engine.queue) < engine.S and (conv := next(queue, None)) is not None:
+            d = Dialogue(conv)
+            offer(d, d.next_prompt())
+        if engine.idle():
+            break
+        made += engine.busy() + len(engine.queue)
+        for d, row in engine.step():
+            try:
+                d.answer(backend.reply(row))
+            except Failed as e:
+                sink.failed(d.conv, e)
+                continue
+            offer(d, d.next_prompt())
+        steps += 1
+        if steps % 16 == 0:
+            sink.step(made)
+            made = 0
+            backend.recheck_threads()
+    sink.step(made)
 
 
 # ---------------------------------------------------------------- the stage

@@ -22,6 +22,7 @@ from eyas.core.config import from_mapping, to_argv
 from eyas.core.errors import EyasError
 from eyas.core.files import move_aside, read_json, write_json
 from eyas.core.log import Console, fmt_duration
+from eyas.core.threads import OMP_DEFAULTED
 from eyas.pipeline.commands import load_stage
 from eyas.store.extract import SUMMARY_FILE as EXTRACT_SUMMARY
 from eyas.train.trainer import SUMMARY_FILE as TRAIN_SUMMARY
@@ -90,7 +91,9 @@ def _launch_torchrun(stage: Stage, cfg, log_path: Path, con: Console) -> dict:
     con.print(f"[{stage.name}] torchrun --nproc_per_node {stage.nproc} -m {' '.join(entry)} ... (log: {log_path})")
     summary_path = _summary_file(stage, cfg)
     summary_path.unlink(missing_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // stage.nproc)))
+    env = dict(os.environ)
+    if not env.get("OMP_NUM_THREADS"):  # else torchrun sets 1; marked as eyas's so the ranks still adapt it
+        env["OMP_NUM_THREADS"] = env[OMP_DEFAULTED] = str(max(1, (os.cpu_count() or 2) // stage.nproc))
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         for line in proc.stdout:

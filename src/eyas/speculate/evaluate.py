@@ -27,6 +27,7 @@ from eyas.core.errors import EyasError
 from eyas.core.log import console
 from eyas.core.paths import shared_data_dir
 from eyas.core.target import load_target
+from eyas.core.threads import Threads
 from eyas.data.chat import ChatRenderer
 from eyas.draft.checkpoint import read_draft
 from eyas.draft.model import DraftConfig, Eagle3Draft
@@ -75,7 +76,8 @@ class EvalConfig(StageConfig):
     hf_generate: bool = opt(True, "also time transformers' generate; the faster plain decoder is the baseline")
     dtype: str = opt("bfloat16", "target and draft dtype", choices=("bfloat16", "float32", "float16"))
     device: str = opt("", "cpu, cuda, cuda:N; empty = cuda when available, else cpu")
-    threads: int = opt(0, "CPU threads for torch (0 = torch's default)")
+    threads: int = opt(0, "CPU threads (0: the cores other work leaves free, re-checked between prompts; an "
+                          "explicit OMP_NUM_THREADS also wins)")
     draft_quant: str = opt("none", "none: the draft as trained (what export writes and engines serve); int8: "
                            "weight-only int8 draft linears on CPU (faster draft steps; proposals may shift, so tau "
                            "is then not the exported draft's; outputs stay exact)", choices=("none", "int8"))
@@ -99,7 +101,7 @@ class EvalConfig(StageConfig):
         check(self.num_prompts >= 0, f"num prompts {self.num_prompts} is negative", "use 0 for all, or a count")
         check(self.per_category >= 0, f"per category {self.per_category} is negative", "use 0 for no limit")
         check(self.lookup_k >= 1, f"lookup k {self.lookup_k} must be >= 1", "use e.g. 7")
-        check(self.threads >= 0, f"threads {self.threads} is negative", "use 0 for torch's default")
+        check(self.threads >= 0, f"threads {self.threads} is negative", "use 0 for the free cores")
         check(self.repeats >= 1, f"repeats {self.repeats} must be >= 1", "use 1, or 3 on a busy machine")
 
 
@@ -254,9 +256,9 @@ def hf_generate(target, prompt: list[int], max_new: int, temperature: float, sto
 # -- the run -----------------------------------------------------------------------------------------------------------
 def run(cfg: EvalConfig) -> dict:
     con = console(0, cfg.quiet, cfg.json)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cpu = Threads(cfg.threads, 1, str(device))
+    con.print("threads: %d (%s)" % cpu.apply())
     if cfg.temperature > 0 and "oracle" in cfg.baselines:
         raise EyasError("the oracle drafter needs temperature 0", fix="drop 'oracle' from --baselines")
     if not cfg.draft:
@@ -286,7 +288,7 @@ def run(cfg: EvalConfig) -> dict:
     renderer = ChatRenderer(target.tokenizer)
     stop = stop_ids(target, renderer)
     _warm_up(runner, renderer, methods, items[0], stop, cfg)
-    records = _decode_all(con, cfg, runner, target, renderer, methods, items, stop)
+    records = _decode_all(con, cfg, runner, target, renderer, methods, items, stop, cpu)
     _margins(runner, methods, records)
     if cfg.temperature == 0:
         _rescore(target, records)
@@ -386,11 +388,14 @@ def _fastest(n: int, decode):
     return min((decode() for _ in range(n)), key=lambda g: g.decode_s)
 
 
-def _decode_all(con, cfg, runner, target, renderer, methods, items, stop) -> list[dict]:
-    """One record per (item, turn, method), methods alternating prompt by prompt."""
+def _decode_all(con, cfg, runner, target, renderer, methods, items, stop, cpu: Threads) -> list[dict]:
+    """One record per (item, turn, method), methods alternating prompt by prompt (so a change of threads between
+    prompts, eyas.core.threads, weighs on every method alike)."""
     records = []
     bar = con.progress(total=sum(len(i.turns) for i in items), desc="evaluate", unit="turn")
     for item in items:
+        if changed := cpu.recheck():
+            con.print(changed)
         messages = []
         for turn, text in enumerate(item.turns):
             messages.append({"role": "user", "content": text})

@@ -37,6 +37,7 @@ from eyas.core.files import check_writable, read_json, write_json
 from eyas.core.log import console, fmt_bytes, fmt_duration, fmt_int
 from eyas.core.memory import tune_allocator
 from eyas.core.target import DEFAULT_TARGET, load_target
+from eyas.core.threads import Threads
 from eyas.data.prepared import open_prepared
 from eyas.store.layout import SHARD_DIR, bytes_per_token, shard_name
 from eyas.store.shards import shard_index
@@ -64,6 +65,8 @@ class ExtractConfig(StageConfig):
     shard_mb: float = opt(256.0, "target size of a shard file in MiB (a crash loses at most the shard in progress)")
     limit: int = opt(0, "extract only the first N samples of the split (0: all)")
     device: str = opt("auto", "cpu, cuda, cuda:N or auto (cuda:LOCAL_RANK when CUDA is present)")
+    threads: int = opt(0, "CPU threads per rank (0: the cores other work leaves free, shared by this node's ranks, "
+                          "re-checked as it runs; an explicit OMP_NUM_THREADS also wins)")
     dry_run: bool = opt(False, "print the plan and exit without writing anything")
 
     def __post_init__(self):
@@ -217,8 +220,10 @@ def run(cfg: ExtractConfig, *, target=None) -> dict:
     env = dist.init(cfg.device)
     con = console(env.rank, cfg.quiet, cfg.json)
     tune_allocator()
+    cpu = Threads(cfg.threads, env.local_world_size, env.device)
+    con.print("threads: %d per rank (%s)" % cpu.apply())
     try:
-        return _run(cfg, env, con, target)
+        return _run(cfg, env, con, target, cpu)
     except OSError as e:  # the store's index, manifest or summary (a shard says which it was)
         if (why := disk_full(e)) is None:
             raise
@@ -228,7 +233,7 @@ def run(cfg: ExtractConfig, *, target=None) -> dict:
             dist.shutdown()
 
 
-def _run(cfg: ExtractConfig, env, con, target) -> dict:
+def _run(cfg: ExtractConfig, env, con, target, cpu: Threads) -> dict:
     t0 = time.perf_counter()
     prepared = open_prepared(cfg.data, cfg.split)
     ds, fingerprint = prepared.ds, prepared.fingerprint
@@ -252,7 +257,8 @@ def _run(cfg: ExtractConfig, env, con, target) -> dict:
     plan = _agree(env, lambda: _prepare_store(cfg, con, env, target, shards, lengths, settings, bpt))
     if cfg.dry_run:
         return plan
-    stats = _on_every_rank(env, lambda: _extract_mine(cfg, env, con, target, ds, shards, layer_ids, lengths))
+    stats = _on_every_rank(env, lambda: _extract_mine(cfg, env, con, target, ds, shards, layer_ids, lengths,
+                                                      cpu))
     tokens_run, samples_run = dist.all_reduce_sum([stats["tokens"], stats["samples"]], env)
     totals = _agree(env, lambda: _merge(store, header, len(shards), n, env.world_size))
     elapsed = time.perf_counter() - t0
@@ -363,7 +369,7 @@ def _prepare_store(cfg, con, env, target, shards, lengths, settings, bpt) -> dic
     return plan
 
 
-def _extract_mine(cfg, env, con, target, ds, shards, layer_ids, lengths) -> dict:
+def _extract_mine(cfg, env, con, target, ds, shards, layer_ids, lengths, cpu: Threads) -> dict:
     """Write this rank's unfinished shards, then the index of all its shards (STORE/index/rank-R-of-W.json)."""
     store = Path(cfg.store)
     mine = shard_indices(len(shards), env.rank, env.world_size)
@@ -379,7 +385,7 @@ def _extract_mine(cfg, env, con, target, ds, shards, layer_ids, lengths) -> dict
     bar = con.progress(total=sum(lengths[r] for k in todo for r in shards[k]), desc=desc, unit="tok", unit_scale=True)
     writer, indexes = Writer(), dict(done)
     try:
-        tokens = _run_shards(cfg, target, ds, shards, todo, layer_ids, lengths, writer, indexes, bar, where)
+        tokens = _run_shards(cfg, target, ds, shards, todo, layer_ids, lengths, writer, indexes, bar, where, cpu)
     except BaseException:
         with contextlib.suppress(BaseException):  # the first error is the one to report
             writer.close()  # finishes what is queued (a shard is only committed once all of it was queued)
@@ -391,8 +397,9 @@ def _extract_mine(cfg, env, con, target, ds, shards, layer_ids, lengths) -> dict
     return {"tokens": tokens, "samples": total}
 
 
-def _run_shards(cfg, target, ds, shards, todo, layer_ids, lengths, writer, indexes, bar, where) -> int:
-    """The forward loop: batches of each unfinished shard through the target, their states to the writer."""
+def _run_shards(cfg, target, ds, shards, todo, layer_ids, lengths, writer, indexes, bar, where, cpu) -> int:
+    """The forward loop: batches of each unfinished shard through the target, their states to the writer; the
+    free cores re-checked now and then (eyas.core.threads)."""
     store, total, samples, tokens = Path(cfg.store), sum(len(shards[k]) for k in todo), 0, 0
     bpt = bytes_per_token(target.hidden_size, cfg.compact)
     with Capture(target, layer_ids) as cap:
@@ -409,6 +416,8 @@ def _run_shards(cfg, target, ds, shards, todo, layer_ids, lengths, writer, index
                 bar.set_postfix_str(f"{fmt_int(samples)}/{fmt_int(total)} samples, {fmt_bytes(tokens * bpt)} "
                                     f"written ({fmt_bytes(writer.bytes)} in finished shards)", refresh=False)
                 bar.update(n_tok)
+                if changed := cpu.recheck():
+                    bar.write(changed)
             writer.put(_commit_job(builder, store / SHARD_DIR, indexes, k, writer))
     return tokens
 

@@ -30,6 +30,7 @@ from eyas.core.files import read_json, write_json
 from eyas.core.log import fmt_int
 from eyas.core.memory import tune_allocator
 from eyas.core.target import Target, load_target
+from eyas.core.threads import Threads
 from eyas.draft.checkpoint import (
     check_resumable,
     latest_checkpoint,
@@ -67,7 +68,8 @@ class TrainParts:
     """Everything `setup` builds for a Trainer."""
 
     out: Path  # the run folder
-    threads: int  # CPU threads of this rank
+    threads: int  # CPU threads of this rank at start-up
+    cpu: Threads  # ... and their re-checks as the run goes
     dtype: str  # compute dtype: "bf16" (autocast) or "fp32"
     train_src: Any  # a StoreReader, a Subset of one, or a PreparedSource (--online)
     val_src: Any  # the same kinds, or None
@@ -96,7 +98,8 @@ class TrainParts:
 
 
 def setup(cfg, env, con) -> TrainParts:
-    threads, threads_why = tune_process(cfg.threads, env)
+    cpu = tune_process(cfg.threads, env)
+    threads, threads_why = cpu.n, cpu.why
     torch.manual_seed(cfg.seed)
     out, dtype = Path(cfg.out), resolve_dtype(cfg.dtype, env.device)
     ckpt = resume_point(cfg, env, con, out)
@@ -117,7 +120,7 @@ def setup(cfg, env, con) -> TrainParts:
         write_json(out / "plan.json", plan_json)
     progress, validation, audits = restored(ckpt, out, env)
     return TrainParts(
-        out=out, threads=threads, dtype=dtype, train_src=train_src, val_src=val_src, data_record=data_record,
+        out=out, threads=threads, cpu=cpu, dtype=dtype, train_src=train_src, val_src=val_src, data_record=data_record,
         layer_ids=layer_ids, target=target if cfg.online else None, vocab_info=vocab_info, draft_cfg=draft_cfg,
         model=model, params=[p for p in model.parameters() if p.requires_grad], optimizer=optimizer,
         head_rows=head_rows, t2d=draft.t2d, weights=step_weights(cfg.ttt_steps, cfg.step_decay), spec=spec,
@@ -148,16 +151,14 @@ def skipped_data(train_src, ckpt: ResumePoint | None, con) -> dict:
     return record
 
 
-def tune_process(threads: int, env) -> tuple[int, str]:
-    """(threads per rank, why: eyas.core.dist.cpu_threads), and glibc told to keep freed memory
-    (eyas.core.memory.tune_allocator: otherwise every step page-faults its large logit buffers in again; measured
-    here 2-3x slower casts and weight-gradient matmuls)."""
+def tune_process(threads: int, env) -> Threads:
+    """Threads per rank (eyas.core.threads: the free cores, re-checked as the run goes), and glibc told to keep
+    freed memory (eyas.core.memory.tune_allocator: otherwise every step page-faults its large logit buffers in
+    again; measured here 2-3x slower casts and weight-gradient matmuls)."""
     tune_allocator()
-    if env.device.startswith("cuda"):
-        return torch.get_num_threads(), "torch's default (the GPU computes)"
-    threads, why = dist.cpu_threads(threads, env.local_world_size)
-    torch.set_num_threads(threads)
-    return threads, why
+    cpu = Threads(threads, env.local_world_size, env.device)
+    cpu.apply()
+    return cpu
 
 
 def resume_point(cfg, env, con, out: Path) -> ResumePoint | None:

@@ -265,9 +265,12 @@ class Trainer:
 
     # -- logging -----------------------------------------------------------------------------------------------------
     def record(self, epoch: int, step_in_epoch: int, s: StepStats, bar) -> None:
-        """Count the step, write its metrics line (rank 0), advance the bar; time the first steps for the ETA."""
+        """Count the step, write its metrics line (rank 0), advance the bar; time the first steps for the ETA;
+        re-check the free cores now and then (eyas.core.threads)."""
         g = self.progress
         g.step += 1
+        if changed := self.parts.cpu.recheck():
+            self.say(changed)
         g.step_in_epoch = step_in_epoch
         g.samples_seen += s.samples
         g.tokens_seen += s.tokens

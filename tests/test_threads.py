@@ -1,0 +1,105 @@
+"""eyas.core.threads: torch's CPU threads from the cores other processes leave free; the user's count wins."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from eyas.core import threads as th
+
+
+@pytest.fixture(autouse=True)
+def keep_torch_threads(monkeypatch):
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    yield
+    torch.set_num_threads(before)
+
+
+class FakeStat:
+    """/proc/stat as a test drives it: `others` cores' worth of foreign work per second of wall time."""
+
+    def __init__(self, monkeypatch, cores=2):
+        self.others, self.busy, self.t = 0.0, 0, 1000.0
+        monkeypatch.setattr(th, "_cores", lambda: list(range(cores)))
+        monkeypatch.setattr(th, "_busy_ticks", lambda _: (self.busy, self.busy + 10**6))
+        monkeypatch.setattr(th, "_own_seconds", lambda: 0.0)
+        monkeypatch.setattr(th.time, "monotonic", lambda: self.t)
+        monkeypatch.setattr(th.time, "sleep", lambda s: self.advance(s))
+        monkeypatch.setattr(th.os, "sysconf", lambda _: 100)
+
+    def advance(self, seconds: float) -> None:
+        self.busy += round(self.others * seconds * 100)
+        self.t += seconds
+
+
+@pytest.mark.parametrize("others,expect", [(0.0, 2), (0.3, 2), (1.0, 1), (2.0, 1)])
+def test_free_cores_set_the_count(monkeypatch, others, expect):
+    fake = FakeStat(monkeypatch)
+    fake.others = others
+    n, why = th.Threads().apply()
+    assert n == expect == torch.get_num_threads()
+    assert why.startswith("2 cores")
+    assert ("busy with other work" in why) == (others >= 0.5)
+
+
+def test_user_counts_win(monkeypatch):
+    fake = FakeStat(monkeypatch)
+    fake.others = 2.0
+    assert th.Threads(2).apply() == (2, "--threads")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    cpu = th.Threads()
+    assert cpu.apply() == (2, "OMP_NUM_THREADS=2")
+    fake.advance(60)
+    assert cpu.recheck() == "" and torch.get_num_threads() == 2  # never changed
+    assert th.Threads(0, 1, "cuda:0").why == "torch's default (the GPU computes)"
+
+
+def test_ranks_share_the_cores_and_do_not_count_as_other_work(monkeypatch):
+    fake = FakeStat(monkeypatch, cores=4)
+    assert th.Threads(0, 2).apply()[0] == 2  # 4 cores, 2 ranks on the node
+    cpu = th.Threads(0, 2)
+    cpu.apply()
+    fake.others = 2.0  # the sibling rank computing on its 2 threads
+    fake.advance(th.RECHECK_S + 1)
+    assert cpu.recheck() == "" and cpu.n == 2
+    fake.others = 4.0  # the sibling, and 2 cores' worth of someone else's work
+    fake.advance(th.RECHECK_S + 1)
+    assert cpu.recheck().startswith("threads: 2 -> 1") and torch.get_num_threads() == 1
+
+
+def test_recheck_follows_the_load(monkeypatch):
+    fake = FakeStat(monkeypatch)
+    cpu = th.Threads()
+    assert cpu.apply()[0] == 2
+    fake.others = 2.0
+    fake.advance(5)
+    assert cpu.recheck() == ""  # not yet RECHECK_S since the last look
+    fake.advance(th.RECHECK_S)
+    line = cpu.recheck()
+    assert line.startswith("threads: 2 -> 1") and "busy with other work" in line and torch.get_num_threads() == 1
+    fake.others = 0.0
+    fake.advance(th.RECHECK_S + 1)
+    assert cpu.recheck().startswith("threads: 1 -> 2") and torch.get_num_threads() == 2
+
+
+def test_real_hogs_are_seen(tmp_path):
+    """Busy processes pinned to this process's cores: /proc/stat shows them, and the count drops to 1."""
+    if not os.path.exists("/proc/stat") or not hasattr(os, "sched_getaffinity"):
+        pytest.skip("needs Linux /proc/stat")
+    cores = sorted(os.sched_getaffinity(0))
+    hogs = [subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{c}}})\nwhile True: pass"])
+            for c in cores]
+    try:
+        time.sleep(0.5)
+        n, why = th.Threads().apply()
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    assert n == 1 and "busy with other work" in why, why
