@@ -8,7 +8,7 @@ stop at end of turn, up to --max-new-tokens): `slots` refills a finished row's s
 paths' replies are checked to be the same as each other's (bf16 near-ties aside).
 
     python bench/bench_regenerate.py                                   # GSM8K train, 48 prompts, 256 new tokens
-    python bench/bench_regenerate.py --data chitchat --samples 24 --batch 8 16 32
+    python bench/bench_regenerate.py --data chitchat --samples 64 --max-turns 3 --max-new-tokens 96   # the recipe's
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ def main() -> None:
     ap.add_argument("--data", default="gsm8k-train")
     ap.add_argument("--samples", type=int, default=48)
     ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-turns", type=int, default=0, help="answer only the first N user turns (0: all)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batch", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--methods", nargs="+", default=["slots", "batches", "hf"])
@@ -66,7 +67,8 @@ def main() -> None:
             for m in a.methods:  # alternated: a slow spell of the machine hits every method
                 gen = "hf" if m == "hf" else "lean"
                 cfg = RegenerateConfig(target=a.target, data=(a.data,), max_samples=a.samples, batch_size=b,
-                                       max_new_tokens=a.max_new_tokens, dtype=a.dtype, generator=gen, quiet=True,
+                                       max_new_tokens=a.max_new_tokens, max_turns=a.max_turns, dtype=a.dtype,
+                                       generator=gen, quiet=True,
                                        out="/dev/null")
                 key = (gen, b)
                 if key not in backends:

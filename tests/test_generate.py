@@ -84,3 +84,28 @@ def test_slots_grow_the_cache_for_a_long_prompt(tiny_target, prompts):
     got = drain(engine, [prompts[0], long, prompts[3]])
     assert engine.cap >= 306
     assert got == [greedy_by_hand(tiny_target.model, p, 6, set()) for p in (prompts[0], long, prompts[3])]
+
+
+def test_slots_reuse_a_conversations_previous_turn(tiny_target, prompts):
+    """A key's next turn takes the slot that still holds its previous one: only the tokens after the common
+    prefix are computed, and the reply is still the greedy decoding of the whole prompt alone."""
+    from eyas.core.generate import SlotGenerator
+
+    engine = SlotGenerator(tiny_target, 2, 8, set())
+    a, b = object(), object()
+    first = drain_keys(engine, [(a, prompts[3]), (b, prompts[1])])
+    turn2 = prompts[3] + first[a] + [7, 8, 9]  # the reply, then the next user message
+    other = prompts[1][:5] + [11, 12]  # b's prompt rewritten after 5 tokens: only those 5 are reusable
+    again = drain_keys(engine, [(b, other), (a, turn2)])
+    assert engine.reused == len(prompts[3]) + len(first[a]) - 1 + 5  # the reply's last token was never fed back
+    assert again[a] == greedy_by_hand(tiny_target.model, turn2, 8, set())
+    assert again[b] == greedy_by_hand(tiny_target.model, other, 8, set())
+
+
+def drain_keys(engine, items) -> dict:
+    for key, p in items:
+        engine.submit(key, p)
+    out = {}
+    while not engine.idle():
+        out.update(engine.step())
+    return out

@@ -59,6 +59,24 @@ def layer_forward(layer, weights: tuple, heads: tuple[int, int, int], x: torch.T
     return x + layer.mlp.down_proj(F.silu(g) * u)
 
 
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention of one new token per row: q [B,nh,1,hd] over k, v [B,nkv,W,hd], mask [B,1,1,W] (True: attend).
+    Two batched matmuls with the query heads of each kv head side by side. On a CPU this is several times faster
+    than scaled_dot_product_attention for a single query (measured in docs/regenerate.md), whose flash kernel
+    tiles for long queries."""
+    B, nh, _, hd = q.shape
+    nkv, W = k.shape[1], k.shape[2]
+    g = nh // nkv
+    # 3-D views (a column slice of the cache stays a view): 4-D matmul would copy the slice first, 10x slower
+    k3, v3 = k.reshape(B * nkv, W, hd), v.reshape(B * nkv, W, hd)
+    scores = torch.bmm(q.reshape(B * nkv, g, hd), k3.transpose(1, 2)).view(B, nkv, g, W) * hd ** -0.5
+    scores = scores.float()
+    if mask is not None:  # None: every column
+        scores = scores.masked_fill(~mask.reshape(B, 1, 1, W), float("-inf"))
+    o = torch.bmm(torch.softmax(scores, dim=-1).to(v.dtype).view(B * nkv, g, W), v3)  # [B*nkv,g,hd]
+    return o.view(B, nh, 1, hd)
+
+
 def supports(target) -> bool:
     return getattr(target.text_config, "model_type", "") in LEAN_MODEL_TYPES
 
@@ -126,6 +144,8 @@ class BatchGenerator:
         cos, sin = cos[:, None], sin[:, None]
 
         def sdpa(qs, ks, vs):
+            if qs.shape[2] == 1:
+                return decode_attention(qs, ks, vs, mask)
             return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=self.nkv != self.nh)
 
         for i, layer in enumerate(self.layers):
@@ -134,13 +154,32 @@ class BatchGenerator:
         return self.model.lm_head(body.norm(x[:, -1]))  # [B,V]
 
 
+ALONE = 256  # columns of batched attention one more single-row attention costs (its call overhead), estimated
+
+
+def _split_widths(widths: list[int]) -> tuple[int, list[tuple[int, int]]]:
+    """(the common attention width W of a decode step, [(row, width)] of the rows attended alone past it): the W
+    that minimises the columns computed, len(rows) x W + the long rows' own widths (plus ALONE each), so one long
+    conversation does not make every row attend over its length."""
+    order = sorted(set(widths))  # a row alone also costs two more matmul calls per layer: ~ALONE columns' worth
+    best = min(order, key=lambda w: len(widths) * w + sum(x + ALONE for x in widths if x > w))
+    return best, [(r, x) for r, x in enumerate(widths) if x > best]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
 class SlotGenerator:
     """Continuous batching: up to `slots` rows decode together over one preallocated cache, and a finished row's
     slot takes the next prompt at once, so no row waits for the longest one of its batch.
 
     `submit(key, prompt)` queues a prompt; `step()` admits queued prompts into free slots (each prefilled alone,
     its first token picked), decodes one token for every busy slot, and returns [(key, new tokens)] of the rows
-    that finished (a stop token included when one ended it). Slot s holds its row's keys and values at columns
+    that finished (a stop token included when one ended it). A freed slot keeps its cache: when the same key
+    comes back (a conversation's next turn) it takes that slot again and only the tokens after the longest common
+    prefix with what the cache holds are computed. Slot s holds its row's keys and values at columns
     0..len[s]; a decode step writes each row's new column at its own length and masks every column past it, so a
     row is decoded as if alone (positions from 0), whatever its neighbours and the order rows were refilled in.
     The cache grows (doubling its columns) when a longer row arrives."""
@@ -158,6 +197,10 @@ class SlotGenerator:
         self.last = torch.zeros(slots, dtype=torch.long, device=target.device)  # the token each slot feeds next
         self.cap = 0
         self.k = self.v = None
+        self.fed: list[list[int]] = [[] for _ in range(slots)]  # the prompt each slot was given
+        self.hist: list[tuple | None] = [None] * slots  # a free slot's (key, tokens its cache holds, when freed)
+        self.clock = 0
+        self.reused = 0  # prompt tokens whose cache columns were kept from the previous turn (not recomputed)
 
     def submit(self, key, prompt: list[int]) -> None:
         self.queue.append((key, prompt))
@@ -183,14 +226,13 @@ class SlotGenerator:
     @torch.inference_mode()
     def step(self) -> list[tuple[object, list[int]]]:
         done: list[tuple[object, list[int]]] = []
-        for s in range(self.S):  # admit: prefill each queued prompt alone into a free slot
-            while self.key[s] is None and self.queue:
-                key, prompt = self.queue.pop(0)
-                self._room(len(prompt) + self.max_new)
-                tok = self._prefill(s, prompt)
-                self.key[s], self.out[s] = key, [tok]
-                if tok in self.stop.tolist() or self.max_new == 1:
-                    done.append(self._retire(s))
+        for key, prompt in self._admissions():  # each queued prompt prefilled alone into its slot
+            s = self._slot_for(key)
+            self._room(len(prompt) + self.max_new)
+            tok = self._prefill(s, key, prompt)
+            self.key[s], self.out[s] = key, [tok]
+            if tok in self.stop.tolist() or self.max_new == 1:
+                done.append(self._retire(s))
         busy = [s for s in range(self.S) if self.key[s] is not None]
         if not busy:
             return done
@@ -202,32 +244,59 @@ class SlotGenerator:
                 done.append(self._retire(s))
         return done
 
+    def _admissions(self) -> list[tuple[object, list[int]]]:
+        """The queued prompts that fit in the free slots now, in queue order."""
+        free = self.S - self.busy()
+        take, self.queue = self.queue[:free], self.queue[free:]
+        return take
+
+    def _slot_for(self, key) -> int:
+        """A free slot for `key`: the one still holding its conversation's previous turn (its cache is reused),
+        else one holding nothing, else the free slot whose history is oldest."""
+        free = [s for s in range(self.S) if self.key[s] is None]
+        warm = next((s for s in free if self.hist[s] is not None and self.hist[s][0] is key), None)
+        if warm is not None:
+            return warm
+        cold = next((s for s in free if self.hist[s] is None), None)
+        return cold if cold is not None else min(free, key=lambda s: self.hist[s][2])
+
     def _retire(self, s: int) -> tuple[object, list[int]]:
+        """Free slot s, keeping what its cache holds (prompt and reply but the last token) for the next turn."""
         key, row = self.key[s], self.out[s]
+        self.hist[s] = (key, self.fed[s] + row[:-1], self.clock)
+        self.clock += 1
         self.key[s], self.out[s] = None, []
-        self.len[s] = 0
         return key, row
 
     def _pick(self, logits: torch.Tensor) -> torch.Tensor:
         return BatchGenerator._pick(logits, *self.sampling)
 
-    def _prefill(self, s: int, prompt: list[int]) -> int:
+    def _prefill(self, s: int, key, prompt: list[int]) -> int:
+        """Prompt into slot s, reusing the columns that already hold its first tokens (the conversation's previous
+        turn, when the slot kept it); the first new token."""
         lean, dev = self.lean, self.target.device
-        n = len(prompt)
-        ids = torch.tensor([prompt], device=dev)
+        kept = self.hist[s][1] if self.hist[s] is not None and self.hist[s][0] is key else []
+        start = _common_prefix(kept, prompt[:-1])  # at least the last prompt token is computed anew
+        self.hist[s] = None
+        self.reused += start
+        n = len(prompt) - start
+        ids = torch.tensor([prompt[start:]], device=dev)
         body = lean.model.model
         x = body.embed_tokens(ids)
-        cos, sin = body.rotary_emb(x, torch.arange(n, device=dev)[None])
+        cos, sin = body.rotary_emb(x, torch.arange(start, start + n, device=dev)[None])
         cos, sin = cos[:, None], sin[:, None]
+        mask = (torch.arange(start + n, device=dev)[None] <= torch.arange(start, start + n, device=dev)[:, None])
 
-        def causal(qs, ks, vs):
-            return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=lean.nkv != lean.nh)
+        def attend(qs, ks, vs):
+            if start == 0:
+                return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=lean.nkv != lean.nh)
+            return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=lean.nkv != lean.nh)
 
         for i, layer in enumerate(lean.layers):
             x = layer_forward(layer, (lean.wqkv[i], lean.bqkv[i], lean.wgu[i]), (lean.nh, lean.nkv, lean.hd), x,
-                              cos, sin, self.k[i, s:s + 1], self.v[i, s:s + 1], 0, causal)
+                              cos, sin, self.k[i, s:s + 1], self.v[i, s:s + 1], start, attend)
         tok = int(self._pick(lean.model.lm_head(body.norm(x[:, -1])))[0])
-        self.len[s], self.last[s] = n, tok
+        self.len[s], self.last[s], self.fed[s] = len(prompt), tok, list(prompt)
         return tok
 
     def _decode(self, busy: list[int]) -> torch.Tensor:
@@ -235,7 +304,7 @@ class SlotGenerator:
         lean = self.lean
         body = lean.model.model
         S, cols = self.S, self.len  # each row's new column is its current length
-        width = int(cols.max()) + 1
+        width, long = _split_widths([int(c) + 1 if s in busy else 1 for s, c in enumerate(cols.tolist())])
         x = body.embed_tokens(self.last[:, None])  # [S,1,H]
         cos, sin = body.rotary_emb(x, cols[:, None])
         cos, sin = cos[:, None], sin[:, None]
@@ -250,8 +319,9 @@ class SlotGenerator:
             k, v = self.k[i], self.v[i]
             k[rows, :, cols] = ks[:, :, 0]
             v[rows, :, cols] = vs.view(S, nkv, hd)
-            o = F.scaled_dot_product_attention(qs, k[:, :, :width], v[:, :, :width], attn_mask=mask,
-                                               enable_gqa=nkv != nh)
+            o = decode_attention(qs, k[:, :, :width], v[:, :, :width], mask)
+            for r, w in long:  # rows longer than the common width: alone, over their own columns
+                o[r:r + 1] = decode_attention(qs[r:r + 1], k[r:r + 1, :, :w], v[r:r + 1, :, :w], None)
             x = x + layer.self_attn.o_proj(o.transpose(1, 2).reshape(S, 1, nh * hd))
             g, u = F.linear(layer.post_attention_layernorm(x), wgu).chunk(2, dim=-1)
             x = x + layer.mlp.down_proj(F.silu(g) * u)
