@@ -41,19 +41,27 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def layer_forward(layer, weights: tuple, heads: tuple[int, int, int], x: torch.Tensor, cos, sin,
-                  k: torch.Tensor, v: torch.Tensor, start: int, attend) -> torch.Tensor:
-    """One pre-norm Llama decoder layer over x [B,q,H] at cache columns start..start+q: its keys and values are
-    written into k, v [B,nkv,cap,hd] in place, `attend(q, k, v)` [B,nh,q,hd] attends over columns :start+q.
+                  k: torch.Tensor, v: torch.Tensor, start: int | torch.Tensor, attend) -> torch.Tensor:
+    """One pre-norm Llama decoder layer over x [B,q,H]; its keys and values are written into k, v [B,nkv,cap,hd]
+    in place. `start` is either the cache column of x's first position, the same for every row (an int: columns
+    start..start+q are written and `attend(q, k, v)` [B,nh,q,hd] gets columns :start+q), or each row's own column
+    for one new token per row (a [B] tensor: `attend` gets the whole cache and masks it itself).
     `weights` = (fused [q|k|v], its bias or None, fused [gate|up]) from fuse_projections; heads = (nh, nkv, hd)."""
     wqkv, bqkv, wgu = weights
     nh, nkv, hd = heads
     B, q, _ = x.shape
-    end = start + q
     qs, ks, vs = F.linear(layer.input_layernorm(x), wqkv, bqkv).split((nh * hd, nkv * hd, nkv * hd), dim=-1)
     qs = rotate(qs.view(B, q, nh, hd).transpose(1, 2), cos, sin)  # [B,nh,q,hd]
-    k[:, :, start:end] = rotate(ks.view(B, q, nkv, hd).transpose(1, 2), cos, sin)
-    v[:, :, start:end] = vs.view(B, q, nkv, hd).transpose(1, 2)
-    o = attend(qs, k[:, :, :end], v[:, :, :end])  # [B,nh,q,hd]
+    ks = rotate(ks.view(B, q, nkv, hd).transpose(1, 2), cos, sin)  # [B,nkv,q,hd]
+    vs = vs.view(B, q, nkv, hd).transpose(1, 2)
+    if isinstance(start, int):
+        end = start + q
+        k[:, :, start:end], v[:, :, start:end] = ks, vs
+        o = attend(qs, k[:, :, :end], v[:, :, :end])
+    else:
+        rows = torch.arange(B, device=start.device)
+        k[rows, :, start], v[rows, :, start] = ks[:, :, 0], vs[:, :, 0]
+        o = attend(qs, k, v)
     x = x + layer.self_attn.o_proj(o.transpose(1, 2).reshape(B, q, nh * hd))
     g, u = F.linear(layer.post_attention_layernorm(x), wgu).chunk(2, dim=-1)
     return x + layer.mlp.down_proj(F.silu(g) * u)
@@ -148,10 +156,15 @@ class BatchGenerator:
                 return decode_attention(qs, ks, vs, mask)
             return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=self.nkv != self.nh)
 
+        return self.logits(x, cos, sin, self.k, self.v, start, sdpa)
+
+    def logits(self, x: torch.Tensor, cos, sin, k: torch.Tensor, v: torch.Tensor, start, attend) -> torch.Tensor:
+        """Every decoder layer over x [B,q,H] (layer_forward, caches k, v [L,B,nkv,cap,hd]), then the output head
+        at each row's last position: [B,V]."""
         for i, layer in enumerate(self.layers):
             x = layer_forward(layer, (self.wqkv[i], self.bqkv[i], self.wgu[i]), (self.nh, self.nkv, self.hd), x,
-                              cos, sin, self.k[i], self.v[i], start, sdpa)
-        return self.model.lm_head(body.norm(x[:, -1]))  # [B,V]
+                              cos, sin, k[i], v[i], start, attend)
+        return self.model.lm_head(self.model.model.norm(x[:, -1]))
 
 
 ALONE = 256  # columns of batched attention one more single-row attention costs (its call overhead), estimated
@@ -292,10 +305,7 @@ class SlotGenerator:
                 return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=lean.nkv != lean.nh)
             return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=lean.nkv != lean.nh)
 
-        for i, layer in enumerate(lean.layers):
-            x = layer_forward(layer, (lean.wqkv[i], lean.bqkv[i], lean.wgu[i]), (lean.nh, lean.nkv, lean.hd), x,
-                              cos, sin, self.k[i, s:s + 1], self.v[i, s:s + 1], start, attend)
-        tok = int(self._pick(lean.model.lm_head(body.norm(x[:, -1])))[0])
+        tok = int(self._pick(lean.logits(x, cos, sin, self.k[:, s:s + 1], self.v[:, s:s + 1], start, attend))[0])
         self.len[s], self.last[s], self.fed[s] = len(prompt), tok, list(prompt)
         return tok
 
@@ -303,29 +313,20 @@ class SlotGenerator:
         """One token for every slot (free slots compute on whatever they hold; their tokens are ignored)."""
         lean = self.lean
         body = lean.model.model
-        S, cols = self.S, self.len  # each row's new column is its current length
+        cols = self.len  # each row's new column is its current length
         width, long = _split_widths([int(c) + 1 if s in busy else 1 for s, c in enumerate(cols.tolist())])
         x = body.embed_tokens(self.last[:, None])  # [S,1,H]
         cos, sin = body.rotary_emb(x, cols[:, None])
         cos, sin = cos[:, None], sin[:, None]
         mask = (torch.arange(width, device=cols.device)[None] <= cols[:, None])[:, None, None]  # [S,1,1,width]
-        rows = torch.arange(S, device=cols.device)
-        nh, nkv, hd = lean.nh, lean.nkv, lean.hd
-        for i, layer in enumerate(lean.layers):
-            wqkv, bqkv, wgu = lean.wqkv[i], lean.bqkv[i], lean.wgu[i]
-            qs, ks, vs = F.linear(layer.input_layernorm(x), wqkv, bqkv).split((nh * hd, nkv * hd, nkv * hd), dim=-1)
-            qs = rotate(qs.view(S, 1, nh, hd).transpose(1, 2), cos, sin)  # [S,nh,1,hd]
-            ks = rotate(ks.view(S, 1, nkv, hd).transpose(1, 2), cos, sin)  # [S,nkv,1,hd]
-            k, v = self.k[i], self.v[i]
-            k[rows, :, cols] = ks[:, :, 0]
-            v[rows, :, cols] = vs.view(S, nkv, hd)
+
+        def attend(qs, k, v):
             o = decode_attention(qs, k[:, :, :width], v[:, :, :width], mask)
             for r, w in long:  # rows longer than the common width: alone, over their own columns
                 o[r:r + 1] = decode_attention(qs[r:r + 1], k[r:r + 1, :, :w], v[r:r + 1, :, :w], None)
-            x = x + layer.self_attn.o_proj(o.transpose(1, 2).reshape(S, 1, nh * hd))
-            g, u = F.linear(layer.post_attention_layernorm(x), wgu).chunk(2, dim=-1)
-            x = x + layer.mlp.down_proj(F.silu(g) * u)
-        tok = self._pick(lean.model.lm_head(body.norm(x[:, -1])))  # [S]
+            return o
+
+        tok = self._pick(lean.logits(x, cos, sin, self.k, self.v, cols, attend))  # [S]
         self.len[busy] += 1
         self.last = tok
         return tok

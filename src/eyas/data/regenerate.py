@@ -163,9 +163,9 @@ class LocalBackend:
         """One reply per prompt (a Failed for a prompt too long for the target's context)."""
 
         self.recheck_threads()
-        ids = [self.renderer.prompt_ids(p) for p in prompts]
-        ok = [i for i, x in enumerate(ids) if len(x) <= self.max_prompt]
-        out: list[Reply | Failed] = [self._too_long(len(x)) for x in ids]
+        ids = [self.prompt_ids(p) for p in prompts]
+        ok = [i for i, x in enumerate(ids) if not isinstance(x, Failed)]
+        out: list[Reply | Failed] = [x if isinstance(x, Failed) else None for x in ids]
         if not ok:
             return out
         if self.lean is not None:

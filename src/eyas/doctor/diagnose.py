@@ -76,7 +76,7 @@ def analyse(parser: LogParser, cfg: DoctorConfig, name: str, extra: list[Fact], 
     writers, series, how, dups = writers_of(steps)
     done, restarts, counter, zero = normalise(series)
     fig = figures(facts, cfg, writers, parser.ranks, done, counter)
-    rate, span, rate_how, _ = measure_rate(done)
+    rate, span, rate_how = measure_rate(done)
     n_done = done[-1][0]
     t_lr, lr_how = schedule_length(done)
     ended = why_ended(facts, done, t_lr, lr_how, fig["plan_steps"][0][1] if fig["plan_steps"][0] else None)

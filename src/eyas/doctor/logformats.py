@@ -325,7 +325,7 @@ class LogParser:
         self._counter: dict[int | None, int] = {}
         self._tb: dict[int | None, dict] = {}  # tracebacks being read, by rank
         self._generic: tuple[str | None, tuple | None] = (None, None)  # the last generic record read, and its values
-        self._epochs_stated: Fact | None = None
+        self._epochs_stated: int | None = None  # the last `epoch i/E` total recorded as a fact
         self._root_cause = False
 
     @property
@@ -538,12 +538,9 @@ class LogParser:
         if not (st or ep):
             return None
         loss = _search(GEN_LOSS, seg, low, "loss")
-        if ep and ep.group(2):
-            epochs = int(ep.group(2))
-            last = self._epochs_stated
-            if last is None or last.value != epochs:  # once per value, not once per line
-                self._fact(lineno, "epochs", epochs, seg)
-                self._epochs_stated = self.facts[-1] if self.facts and self.facts[-1].name == "epochs" else last
+        if ep and ep.group(2) and int(ep.group(2)) != self._epochs_stated:  # once per value, not once per line
+            self._epochs_stated = int(ep.group(2))
+            self._fact(lineno, "epochs", self._epochs_stated, seg)
         return (int(st.group(1)) if st else None, int(st.group(2)) if st and st.group(2) else None,
                 _float(ep.group(1)) if ep else None, _float(lr.group(1)), _float(loss.group(1)) if loss else None)
 

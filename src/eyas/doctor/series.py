@@ -109,8 +109,8 @@ def bar_steps(facts: list[Fact]) -> list[Step]:
 
 
 # -- rates and schedules --------------------------------------------------------------------------------------
-def measure_rate(done: list[tuple[int, Step]]) -> tuple[float | None, float | None, str, list[tuple[int, float]]]:
-    """(optimizer steps per second per rank, seconds covered, how, [(line, time)]) over the final segment."""
+def measure_rate(done: list[tuple[int, Step]]) -> tuple[float | None, float | None, str]:
+    """(optimizer steps per second per rank, seconds covered, how) over the final segment."""
     pts = done[1:] if len(done) >= 3 else done  # the first step carries start-up and compilation
     clock = {"eyas metrics.jsonl": "elapsed_s", "progress bar (tqdm/rich)": "the bar's elapsed time"}
     sources = (("time", clock.get(done[-1][1].fmt, "log timestamps")), ("arrival", "arrival times of the lines"))
@@ -119,13 +119,12 @@ def measure_rate(done: list[tuple[int, Step]]) -> tuple[float | None, float | No
         if len(tp) >= 2 and tp[-1][2] - tp[0][2] >= 1.0 and tp[-1][0] > tp[0][0]:
             span = tp[-1][2] - tp[0][2]
             where = f"lines {tp[0][1]}-{tp[-1][1]}" if tp[0][1] != tp[-1][1] else f"line {tp[0][1]}"
-            return ((tp[-1][0] - tp[0][0]) / span, span, f"{how}, {where}",
-                    [(line, t) for _, line, t in tp])
+            return (tp[-1][0] - tp[0][0]) / span, span, f"{how}, {where}"
     durs = [s.duration for _, s in done if s.duration is not None and 0 < s.duration < 1e7]
     if durs and len(durs) >= len(done) // 2:
         recent = durs[-200:][1:] or durs
-        return len(recent) / sum(recent), sum(durs), "the step durations the log states", []
-    return None, None, "no timestamps or step durations in the log", []
+        return len(recent) / sum(recent), sum(durs), "the step durations the log states"
+    return None, None, "no timestamps or step durations in the log"
 
 
 def schedule_length(done: list[tuple[int, Step]]) -> tuple[int | None, str]:

@@ -215,9 +215,9 @@ def progress(fig: dict, verdict: dict, done: int, rate: float | None, ended: boo
     p = seen
     if not p and v == "not sharded" and v in preds:  # a plan block assumes sharding: not what this run does
         p = preds[v]["steps_per_epoch"]
-    stated = fig["stated_per_epoch"][0]
-    if not p and v == "not sharded" and not preds and stated:  # unsharded, each rank's loader is the stated length
-        p = stated
+    stated_epoch = fig["stated_per_epoch"][0]
+    if not p and v == "not sharded" and not preds and stated_epoch:  # unsharded: each rank's loader has that length
+        p = stated_epoch
     if not p and plan:
         p = plan[0]
     if not p and v in preds:
