@@ -7,8 +7,17 @@ stop at end of turn, up to --max-new-tokens): `slots` refills a finished row's s
 `generate` batch by batch. tokens/s counts the replies' tokens over the wall time, prefill included. The lean
 paths' replies are checked to be the same as each other's (bf16 near-ties aside).
 
-    python bench/bench_regenerate.py                                   # GSM8K train, 48 prompts, 256 new tokens
+`server` sends the same conversations through `eyas regenerate --server URL` to an OpenAI-compatible server
+started beforehand (vLLM's CPU build, for one: docs/regenerate.md), at each --concurrency.
+
+The run also measures the machine's GEMM rate in the target's dtype on the decoder's own largest weight (the
+fused [gate|up] projection, 512 rows at a time) and prints each method's efficiency = tokens/s x FLOPs per token
+/ GEMM rate, with FLOPs per token = 2 x the weights every token multiplies (decoder layers and output head;
+attention over the context, a few per cent more at these lengths, is left out, so the figure is a lower bound).
+
+    python bench/bench_regenerate.py                                   # GSM8K train, 256 prompts, 256 new tokens
     python bench/bench_regenerate.py --data chitchat --samples 64 --max-turns 3 --max-new-tokens 96   # the recipe's
+    python bench/bench_regenerate.py --methods slots server --server http://127.0.0.1:8000 --concurrency 16 64
 """
 
 from __future__ import annotations
@@ -41,11 +50,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--data", default="gsm8k-train")
-    ap.add_argument("--samples", type=int, default=48)
+    ap.add_argument("--samples", type=int, default=256)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--max-turns", type=int, default=0, help="answer only the first N user turns (0: all)")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--batch", type=int, nargs="+", default=[8, 32])
+    ap.add_argument("--batch", type=int, nargs="+", default=[32, 64])
+    ap.add_argument("--server", default="", help="the server method's URL")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 64], help="the server method's")
     ap.add_argument("--methods", nargs="+", default=["slots", "batches", "hf"])
     ap.add_argument("--repeats", type=int, default=1)
     a = ap.parse_args()
@@ -53,6 +64,7 @@ def main() -> None:
     from eyas.core.log import Console
     from eyas.data.formats import Issues
     from eyas.data.regenerate import LocalBackend, RegenerateConfig, pending, run_batches, run_slots
+    from eyas.data.server import ServerBackend, run_server
 
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                "unknown CPU")
@@ -60,42 +72,72 @@ def main() -> None:
           f"{a.samples} {a.data} conversations, up to {a.max_new_tokens} new tokens")
     con = Console(quiet=True)
     backends = {}
-    results: dict[tuple[str, int], list[float]] = {}
-    replies: dict[tuple[str, int], dict] = {}
+    results: dict[tuple[str, str], list[float]] = {}
+    replies: dict[tuple[str, str], dict] = {}
+    runs = [(m, f"batch {b}", b) for b in a.batch for m in a.methods if m != "server"]
+    runs += [("server", f"concurrency {c}", c) for c in a.concurrency if "server" in a.methods]
     for _ in range(a.repeats):
-        for b in a.batch:
-            for m in a.methods:  # alternated: a slow spell of the machine hits every method
-                gen = "hf" if m == "hf" else "lean"
-                cfg = RegenerateConfig(target=a.target, data=(a.data,), max_samples=a.samples, batch_size=b,
-                                       max_new_tokens=a.max_new_tokens, max_turns=a.max_turns, dtype=a.dtype,
-                                       generator=gen, quiet=True,
-                                       out="/dev/null")
-                key = (gen, b)
-                if key not in backends:
-                    backends[key] = LocalBackend(cfg, con)
-                backend = backends[key]
-                todo, _ = pending(cfg, set(), Issues())
-                sink = Tally()
-                t0 = time.perf_counter()
-                (run_slots if m == "slots" else run_batches)(backend, todo, sink)
-                seconds = time.perf_counter() - t0
-                toks = sink.tokens
-                results.setdefault((m, b), []).append(toks / seconds)
-                replies[m, b] = sink.replies
-                print(f"  {m:8s} batch {b:3d}: {toks:6d} reply tokens in {seconds:6.1f} s = {toks / seconds:6.1f} "
-                      f"tokens/s")
-    print(f"{'method':8s} " + " ".join(f"{f'batch {b}':>14s}" for b in a.batch) + "   (tokens/s, median)")
-    for m in a.methods:
-        print(f"{m:8s} " + " ".join(f"{statistics.median(results[m, b]):14.1f}" for b in a.batch))
+        for m, setting, n in runs:  # alternated: a slow spell of the machine hits every method
+            gen = "hf" if m == "hf" else "lean"
+            cfg = RegenerateConfig(target=a.target, data=(a.data,), max_samples=a.samples, batch_size=n,
+                                   concurrency=n, server=a.server if m == "server" else "",
+                                   max_new_tokens=a.max_new_tokens, max_turns=a.max_turns, dtype=a.dtype,
+                                   generator=gen, quiet=True, out="/dev/null")
+            key = (gen, n) if m != "server" else ("server", n)
+            if key not in backends:
+                backends[key] = ServerBackend(cfg, con) if m == "server" else LocalBackend(cfg, con)
+            backend = backends[key]
+            todo, _ = pending(cfg, set(), Issues())
+            sink = Tally()
+            t0 = time.perf_counter()
+            {"slots": run_slots, "server": run_server}.get(m, run_batches)(backend, todo, sink)
+            seconds = time.perf_counter() - t0
+            results.setdefault((m, setting), []).append(sink.tokens / seconds)
+            replies[m, setting] = sink.replies
+            print(f"  {m:8s} {setting:15s}: {sink.tokens:6d} reply tokens in {seconds:6.1f} s = "
+                  f"{sink.tokens / seconds:6.1f} tokens/s")
+    rate, per_token = gemm_rate(a.target, a.dtype)
+    print(f"GEMM rate ({a.dtype}, the fused [gate|up] weight x 512 rows): {rate / 1e9:.0f} GFLOP/s; "
+          f"{per_token / 1e6:.0f} MFLOP per token in the weights")
+    med = {k: statistics.median(v) for k, v in results.items()}
+    print(f"{'method':8s} {'setting':16s} {'tokens/s':>9s} {'efficiency':>10s}   (median of {a.repeats})")
+    for (m, setting), r in med.items():
+        print(f"{m:8s} {setting:16s} {r:9.1f} {r * per_token / rate:10.2f}")
+    best = {m: max(r for (mm, _), r in med.items() if mm == m) for m in a.methods if any(k[0] == m for k in med)}
+    if "slots" in best and len(best) > 1:
+        print("slots (best setting) / " + ", ".join(f"{m} {best['slots'] / r:.2f}x" for m, r in best.items()
+                                                    if m != "slots"))
     for b in a.batch:
-        if ("slots", b) in replies and ("batches", b) in replies:
-            x, y = replies["slots", b], replies["batches", b]
-            same = sum(x[k] == y[k] for k in x)
-            med = {m: statistics.median(results[m, b]) for m in a.methods if (m, b) in results}
-            vs_hf = f", slots / hf {med['slots'] / med['hf']:.2f}x" if "hf" in med else ""
-            print(f"batch {b}: slots / batches {med['slots'] / med['batches']:.2f}x{vs_hf}; conversations with the "
-                  f"same replies in slots and batches: {same}/{len(x)}")
+        x, y = replies.get(("slots", f"batch {b}")), replies.get(("batches", f"batch {b}"))
+        if x and y:
+            print(f"batch {b}: conversations with the same replies in slots and batches: "
+                  f"{sum(x[k] == y[k] for k in x)}/{len(x)} (bf16 near-ties; fp32 is identical in the tests)")
     print(f"bench_regenerate: load {os.getloadavg()[0]:.2f} after")
+
+
+def gemm_rate(target: str, dtype: str) -> tuple[float, float]:
+    """(FLOP/s of F.linear on the target's fused [gate|up] weight at 512 rows, FLOPs per token in its weights)."""
+    import torch
+    import torch.nn.functional as F
+
+    from eyas.core.generate import BatchGenerator
+    from eyas.core.target import load_target
+
+    t = load_target(target, dtype=dtype, device=torch.device("cpu"))
+    lean = BatchGenerator(t)
+    weights = [*lean.wqkv, *lean.wgu] + [m.weight for layer in lean.layers
+                                         for m in (layer.self_attn.o_proj, layer.mlp.down_proj)]
+    per_token = 2 * (sum(w.numel() for w in weights) + t.model.lm_head.weight.numel())
+    w = lean.wgu[0]
+    x = torch.randn(512, w.shape[1], dtype=w.dtype)
+    with torch.inference_mode():
+        for _ in range(5):
+            F.linear(x, w)
+        n, t0 = 50, time.perf_counter()
+        for _ in range(n):
+            F.linear(x, w)
+        seconds = (time.perf_counter() - t0) / n
+    return 2 * x.shape[0] * w.numel() / seconds, per_token
 
 
 if __name__ == "__main__":

@@ -109,3 +109,40 @@ def drain_keys(engine, items) -> dict:
     while not engine.idle():
         out.update(engine.step())
     return out
+
+
+def test_slots_copy_a_prefix_another_slot_holds(tiny_target, prompts):
+    """Prompts that start alike (a system prompt) take the shared columns from whichever slot holds them, busy or
+    free; each reply is still the greedy decoding of its prompt alone."""
+    from eyas.core.generate import SlotGenerator
+
+    system = prompts[3][:20]
+    items = [system + p for p in (prompts[0], prompts[1], prompts[4])]
+    engine = SlotGenerator(tiny_target, 3, 6, set())
+    engine.submit("a", items[0])
+    engine.step()  # a is prefilled alone: nothing to share yet
+    assert engine.reused == 0
+    engine.submit("b", items[1])
+    engine.submit("c", items[2])
+    out = drain_keys(engine, [])
+    assert engine.reused == 2 * len(system)  # b and c copied the system prompt from a's slot (a is still busy)
+    assert out["b"] == greedy_by_hand(tiny_target.model, items[1], 6, set())
+    assert out["c"] == greedy_by_hand(tiny_target.model, items[2], 6, set())
+
+
+def test_width_chunks_cover_the_busy_rows_and_split_off_a_long_one():
+    from eyas.core.generate import GROUP, width_chunks
+
+    def cost(runs):
+        return sum((hi - lo) * w + GROUP for lo, hi, w in runs)
+
+    widths = [120] * 12 + [0, 0] + [1900] + [130] * 9 + [0] * 3
+    runs = width_chunks(widths)
+    rows = [r for lo, hi, _ in runs for r in range(lo, hi)]
+    assert rows == sorted(set(rows)) and {r for r, w in enumerate(widths) if w} <= set(rows)  # each busy row once
+    assert all(w >= max(widths[lo:hi]) for lo, hi, w in runs)  # a run attends over its widest row
+    assert (12, 13) not in [(lo, hi) for lo, hi, _ in runs] and all(max(widths[lo:hi]) for lo, hi, _ in runs)
+    assert any(w == 1900 and hi - lo <= 2 for lo, hi, w in runs)  # the long row (and at most a free one) alone
+    assert cost(runs) < cost([(0, len(widths) - 3, 1900)])
+    assert width_chunks([300] * 8) == [(0, 8, 300)]  # alike rows: one call
+    assert width_chunks([0, 0]) == []

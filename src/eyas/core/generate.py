@@ -12,10 +12,12 @@ a batched matmul). A row stops at a stop token or at `max_new`; the batch stops 
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
-from eyas.core.memory import to_hugepages
+from eyas.core.memory import to_hugepages, zeros
 
 LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2")  # pre-norm, RoPE, SiLU-gated MLP, no extra norms
 
@@ -41,48 +43,59 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def layer_forward(layer, weights: tuple, heads: tuple[int, int, int], x: torch.Tensor, cos, sin,
-                  k: torch.Tensor, v: torch.Tensor, start: int | torch.Tensor, attend) -> torch.Tensor:
-    """One pre-norm Llama decoder layer over x [B,q,H]; its keys and values are written into k, v [B,nkv,cap,hd]
-    in place. `start` is either the cache column of x's first position, the same for every row (an int: columns
-    start..start+q are written and `attend(q, k, v)` [B,nh,q,hd] gets columns :start+q), or each row's own column
-    for one new token per row (a [B] tensor: `attend` gets the whole cache and masks it itself).
+                  k: torch.Tensor, v: torch.Tensor, start: int | tuple[torch.Tensor, torch.Tensor],
+                  attend) -> torch.Tensor:
+    """One pre-norm Llama decoder layer over x [B,q,H]; its keys and values are written into k, v [R,nkv,cap,hd]
+    in place. `start` is either the cache column of x's first position, the same for every row (an int: rows
+    B = R, columns start..start+q are written and `attend(q, k, v)` [B,nh,q,hd] gets columns :start+q), or the
+    cache (row, column) of each of x's B*q positions in order (two [B*q] tensors: `attend` gets the whole cache
+    and picks and masks its columns itself).
     `weights` = (fused [q|k|v], its bias or None, fused [gate|up]) from fuse_projections; heads = (nh, nkv, hd)."""
     wqkv, bqkv, wgu = weights
     nh, nkv, hd = heads
     B, q, _ = x.shape
     qs, ks, vs = F.linear(layer.input_layernorm(x), wqkv, bqkv).split((nh * hd, nkv * hd, nkv * hd), dim=-1)
     qs = rotate(qs.view(B, q, nh, hd).transpose(1, 2), cos, sin)  # [B,nh,q,hd]
-    ks = rotate(ks.view(B, q, nkv, hd).transpose(1, 2), cos, sin)  # [B,nkv,q,hd]
-    vs = vs.view(B, q, nkv, hd).transpose(1, 2)
     if isinstance(start, int):
+        ks = rotate(ks.view(B, q, nkv, hd).transpose(1, 2), cos, sin)  # [B,nkv,q,hd]
         end = start + q
-        k[:, :, start:end], v[:, :, start:end] = ks, vs
+        k[:, :, start:end], v[:, :, start:end] = ks, vs.view(B, q, nkv, hd).transpose(1, 2)
         o = attend(qs, k[:, :, :end], v[:, :, :end])
     else:
-        rows = torch.arange(B, device=start.device)
-        k[rows, :, start], v[rows, :, start] = ks[:, :, 0], vs[:, :, 0]
+        rows, cols = start
+        ks = rotate(ks.view(B * q, nkv, hd), cos.reshape(B * q, 1, hd), sin.reshape(B * q, 1, hd))
+        k[rows, :, cols], v[rows, :, cols] = ks, vs.view(B * q, nkv, hd)
         o = attend(qs, k, v)
     x = x + layer.self_attn.o_proj(o.transpose(1, 2).reshape(B, q, nh * hd))
     g, u = F.linear(layer.post_attention_layernorm(x), wgu).chunk(2, dim=-1)
     return x + layer.mlp.down_proj(F.silu(g) * u)
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Attention of one new token per row: q [B,nh,1,hd] over k, v [B,nkv,W,hd], mask [B,1,1,W] (True: attend).
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Attention of one new token per row: q [B,nh,1,hd] over k, v [B,nkv,W,hd]; bias [B,1,1,W] is added to the
+    scores (0: attend, -inf: masked; one tensor for every layer of a step, from `mask_bias`) or None (every column).
     Two batched matmuls with the query heads of each kv head side by side. On a CPU this is several times faster
-    than scaled_dot_product_attention for a single query (measured in docs/regenerate.md), whose flash kernel
-    tiles for long queries."""
+    than scaled_dot_product_attention for a single query (bench/bench_regenerate.py --attention), whose flash
+    kernel tiles for long queries."""
     B, nh, _, hd = q.shape
     nkv, W = k.shape[1], k.shape[2]
     g = nh // nkv
-    # 3-D views (a column slice of the cache stays a view): 4-D matmul would copy the slice first, 10x slower
-    k3, v3 = k.reshape(B * nkv, W, hd), v.reshape(B * nkv, W, hd)
-    scores = torch.bmm(q.reshape(B * nkv, g, hd), k3.transpose(1, 2)).view(B, nkv, g, W) * hd ** -0.5
-    scores = scores.float()
-    if mask is not None:  # None: every column
-        scores = scores.masked_fill(~mask.reshape(B, 1, 1, W), float("-inf"))
-    o = torch.bmm(torch.softmax(scores, dim=-1).to(v.dtype).view(B * nkv, g, W), v3)  # [B*nkv,g,hd]
+    # A column slice of the cache is copied whole first: bmm over the strided slice is 3-4x slower than the copy
+    # plus a bmm over contiguous rows (and 4-D matmul slower still)
+    k3, v3 = k.contiguous().view(B * nkv, W, hd), v.contiguous().view(B * nkv, W, hd)
+    q3 = q.reshape(B * nkv, g, hd)
+    if bias is None:
+        scores = torch.bmm(q3, k3.transpose(1, 2)) * hd ** -0.5
+    else:  # the scale and the mask inside the matmul: one pass over the scores
+        scores = torch.baddbmm(bias.expand(B, nkv, g, W).reshape(B * nkv, g, W), q3, k3.transpose(1, 2),
+                               alpha=hd ** -0.5)
+    o = torch.bmm(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), v3)  # [B*nkv,g,hd]
     return o.view(B, nh, 1, hd)
+
+
+def mask_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True: attend) as the additive bias decode_attention takes: 0 or -inf."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
 def supports(target) -> bool:
@@ -135,8 +148,8 @@ class BatchGenerator:
     @staticmethod
     def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator) -> torch.Tensor:
         """Greedy at temperature 0; else sampled from softmax(logits / T) restricted to the top-p mass."""
-        if temperature == 0:
-            return logits.argmax(dim=-1)
+        if temperature == 0:  # the first maximum, as argmax; 3x faster than argmax on bf16
+            return logits.max(dim=-1).indices
         probs = torch.softmax(logits.float() / temperature, dim=-1)  # [B,V]
         if top_p < 1.0:
             sorted_p, order = probs.sort(dim=-1, descending=True)
@@ -150,33 +163,53 @@ class BatchGenerator:
         x = body.embed_tokens(ids)  # [B,q,H]
         cos, sin = body.rotary_emb(x, pos)  # [B,q,hd]
         cos, sin = cos[:, None], sin[:, None]
+        bias = mask_bias(mask, x.dtype) if ids.shape[1] == 1 else None  # one for every layer
 
         def sdpa(qs, ks, vs):
-            if qs.shape[2] == 1:
-                return decode_attention(qs, ks, vs, mask)
+            if bias is not None:
+                return decode_attention(qs, ks, vs, bias)
             return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=self.nkv != self.nh)
 
         return self.logits(x, cos, sin, self.k, self.v, start, sdpa)
 
-    def logits(self, x: torch.Tensor, cos, sin, k: torch.Tensor, v: torch.Tensor, start, attend) -> torch.Tensor:
-        """Every decoder layer over x [B,q,H] (layer_forward, caches k, v [L,B,nkv,cap,hd]), then the output head
-        at each row's last position: [B,V]."""
+    def logits(self, x: torch.Tensor, cos, sin, k: torch.Tensor, v: torch.Tensor, start, attend,
+               ends: torch.Tensor | None = None) -> torch.Tensor:
+        """Every decoder layer over x [B,q,H] (layer_forward, caches k, v [L,R,nkv,cap,hd]), then the output head
+        at each row's last position ([B,V]), or at positions `ends` of a single packed row ([len(ends),V])."""
         for i, layer in enumerate(self.layers):
             x = layer_forward(layer, (self.wqkv[i], self.bqkv[i], self.wgu[i]), (self.nh, self.nkv, self.hd), x,
                               cos, sin, k[i], v[i], start, attend)
-        return self.model.lm_head(self.model.model.norm(x[:, -1]))
+        last = x[:, -1] if ends is None else x[0, ends]
+        return self.model.lm_head(self.model.model.norm(last))
 
 
-ALONE = 256  # columns of batched attention one more single-row attention costs (its call overhead), estimated
+GROUP = 1000  # row-columns of batched attention one more attention call costs (measured: ~100 us per call,
+# ~0.1 us per row-column per layer on a 2-core CPU; bench/bench_regenerate.py --attention)
 
 
-def _split_widths(widths: list[int]) -> tuple[int, list[tuple[int, int]]]:
-    """(the common attention width W of a decode step, [(row, width)] of the rows attended alone past it): the W
-    that minimises the columns computed, len(rows) x W + the long rows' own widths (plus ALONE each), so one long
-    conversation does not make every row attend over its length."""
-    order = sorted(set(widths))  # a row alone also costs two more matmul calls per layer: ~ALONE columns' worth
-    best = min(order, key=lambda w: len(widths) * w + sum(x + ALONE for x in widths if x > w))
-    return best, [(r, x) for r, x in enumerate(widths) if x > best]
+def width_chunks(widths: list[int], depth: int = 3) -> list[tuple[int, int, int]]:
+    """[(lo, hi, W)]: the rows of a decode step (their attention widths in slot order, 0 for a free slot) in at
+    most 2**depth runs of neighbouring rows, each attended together over its widest row's W columns. A run is
+    split in two where that saves more than one more call costs (GROUP), so one long conversation does not make
+    every row attend over its length, and runs of free slots are not attended at all."""
+
+    def cost(lo: int, hi: int) -> int:
+        top = max(widths[lo:hi])
+        return (hi - lo) * top + GROUP if top else 0
+
+    def split(lo: int, hi: int, depth: int) -> list[tuple[int, int, int]]:
+        whole = cost(lo, hi)
+        if depth and hi - lo > 1:
+            left = list(itertools.accumulate(widths[lo:hi], max))  # left[i]: max of widths[lo..lo+i]
+            right = list(itertools.accumulate(reversed(widths[lo:hi]), max))[::-1]  # right[i]: max of lo+i..hi
+            best, at = min(((m - lo) * left[m - lo - 1] + GROUP * (left[m - lo - 1] > 0)
+                            + (hi - m) * right[m - lo] + GROUP * (right[m - lo] > 0), m) for m in range(lo + 1, hi))
+            if best < whole:
+                return split(lo, at, depth - 1) + split(at, hi, depth - 1)
+        top = max(widths[lo:hi])
+        return [(lo, hi, top)] if top else []
+
+    return split(0, len(widths), depth)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -184,23 +217,31 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i in range(n) if a[i] != b[i]), n)
 
 
+PACK = 2048  # prompt tokens prefilled together at most (one packed row): the GEMMs at full width, memory bounded
+
+
 class SlotGenerator:
     """Continuous batching: up to `slots` rows decode together over one preallocated cache, and a finished row's
     slot takes the next prompt at once, so no row waits for the longest one of its batch.
 
-    `submit(key, prompt)` queues a prompt; `step()` admits queued prompts into free slots (each prefilled alone,
-    its first token picked), decodes one token for every busy slot, and returns [(key, new tokens)] of the rows
-    that finished (a stop token included when one ended it). A freed slot keeps its cache: when the same key
-    comes back (a conversation's next turn) it takes that slot again and only the tokens after the longest common
-    prefix with what the cache holds are computed. Slot s holds its row's keys and values at columns
-    0..len[s]; a decode step writes each row's new column at its own length and masks every column past it, so a
-    row is decoded as if alone (positions from 0), whatever its neighbours and the order rows were refilled in.
+    `submit(key, prompt)` queues a prompt; `step()` admits queued prompts into free slots, decodes one token for
+    every busy slot, and returns [(key, new tokens)] of the rows that finished (a stop token included when one
+    ended it). The prompts admitted in a step are prefilled together, packed into one row (each attends only to
+    its own slot's columns), their first tokens picked.
+
+    Slot s holds its row's keys and values at columns 0..len[s], column = position, so a column means the same
+    in every slot. A prompt's first tokens that some slot's cache already holds (the system prompt every
+    conversation starts with, or the conversation's own previous turn, which a freed slot keeps for it) are
+    copied from there rather than computed. A decode step writes each row's new column at its own length and
+    masks every column past it, so a row is decoded as if alone, whatever its neighbours and the order rows were
+    refilled in. Rows are taken lowest slot first and a step computes only the slots up to the last busy one.
     The cache grows (doubling its columns) when a longer row arrives."""
 
     def __init__(self, target, slots: int, max_new: int, stops: set[int], temperature: float = 0.0,
                  top_p: float = 1.0, generator: torch.Generator | None = None):
         self.lean = BatchGenerator(target)
         self.target, self.S, self.max_new = target, slots, max_new
+        self.stops = set(stops)
         self.stop = torch.tensor(sorted(stops) or [-1], device=target.device)
         self.sampling = (temperature, top_p, generator)
         self.queue: list[tuple[object, list[int]]] = []
@@ -209,11 +250,10 @@ class SlotGenerator:
         self.len = torch.zeros(slots, dtype=torch.long, device=target.device)  # cache columns filled, per slot
         self.last = torch.zeros(slots, dtype=torch.long, device=target.device)  # the token each slot feeds next
         self.cap = 0
-        self.k = self.v = None
-        self.fed: list[list[int]] = [[] for _ in range(slots)]  # the prompt each slot was given
-        self.hist: list[tuple | None] = [None] * slots  # a free slot's (key, tokens its cache holds, when freed)
-        self.clock = 0
-        self.reused = 0  # prompt tokens whose cache columns were kept from the previous turn (not recomputed)
+        self.k = self.v = self.cos = self.sin = None
+        self.held: list[list[int]] = [[] for _ in range(slots)]  # tokens whose columns slot s holds (a prefix)
+        self.kept: list[object | None] = [None] * slots  # a free slot's last key (its next turn may reuse the slot)
+        self.reused = 0  # prompt tokens whose cache columns were copied or kept, not recomputed
 
     def submit(self, key, prompt: list[int]) -> None:
         self.queue.append((key, prompt))
@@ -225,108 +265,150 @@ class SlotGenerator:
         return not self.queue and not self.busy()
 
     def _room(self, need: int) -> None:
-        """Cache columns for `need` tokens in every slot (grown by doubling, the filled columns kept)."""
+        """Cache columns for `need` tokens in every slot (grown by doubling, the filled columns kept), and the
+        rotary table of their positions."""
         if need <= self.cap:
             return
         cap = max(need, 2 * self.cap, 256)
         lean, dev, dt = self.lean, self.target.device, self.target.dtype
-        k = torch.zeros(len(lean.layers), self.S, lean.nkv, cap, lean.hd, dtype=dt, device=dev)
-        v = torch.zeros_like(k)
+        shape = (len(lean.layers), self.S, lean.nkv, cap, lean.hd)
+        k, v = zeros(shape, dt, dev), zeros(shape, dt, dev)  # eyas.core.memory: huge pages on a CPU
         if self.k is not None:
             k[..., :self.cap, :], v[..., :self.cap, :] = self.k, self.v
         self.k, self.v, self.cap = k, v, cap
+        x = torch.zeros(1, 1, 1, dtype=dt, device=dev)  # rotary_emb reads only its dtype and device
+        cos, sin = lean.model.model.rotary_emb(x, torch.arange(cap, device=dev)[None])  # [1,cap,hd]
+        self.cos, self.sin = cos[0], sin[0]
 
     @torch.inference_mode()
     def step(self) -> list[tuple[object, list[int]]]:
         done: list[tuple[object, list[int]]] = []
-        for key, prompt in self._admissions():  # each queued prompt prefilled alone into its slot
-            s = self._slot_for(key)
-            self._room(len(prompt) + self.max_new)
-            tok = self._prefill(s, key, prompt)
-            self.key[s], self.out[s] = key, [tok]
-            if tok in self.stop.tolist() or self.max_new == 1:
-                done.append(self._retire(s))
+        admitted = self._admissions()
+        for group in _packs(admitted):
+            for s, tok in self._prefill(group):
+                self.out[s] = [tok]
+                if tok in self.stops or self.max_new == 1:
+                    done.append(self._retire(s))
         busy = [s for s in range(self.S) if self.key[s] is not None]
         if not busy:
             return done
-        tok = self._decode(busy)  # [S]
-        stopped = torch.isin(tok, self.stop).tolist()
+        tok = self._decode(busy[-1] + 1).tolist()  # [busy[-1] + 1]
         for s in busy:
-            self.out[s].append(int(tok[s]))
-            if stopped[s] or len(self.out[s]) >= self.max_new:
+            self.out[s].append(tok[s])
+            if tok[s] in self.stops or len(self.out[s]) >= self.max_new:
                 done.append(self._retire(s))
         return done
 
-    def _admissions(self) -> list[tuple[object, list[int]]]:
-        """The queued prompts that fit in the free slots now, in queue order."""
+    def _admissions(self) -> list[tuple[int, object, list[int]]]:
+        """The queued prompts that fit in the free slots now, in queue order, each with its slot: the one that
+        kept its conversation's previous turn, else the lowest free slot no queued prompt is waiting for."""
         free = self.S - self.busy()
         take, self.queue = self.queue[:free], self.queue[free:]
-        return take
-
-    def _slot_for(self, key) -> int:
-        """A free slot for `key`: the one still holding its conversation's previous turn (its cache is reused),
-        else one holding nothing, else the free slot whose history is oldest."""
-        free = [s for s in range(self.S) if self.key[s] is None]
-        warm = next((s for s in free if self.hist[s] is not None and self.hist[s][0] is key), None)
-        if warm is not None:
-            return warm
-        cold = next((s for s in free if self.hist[s] is None), None)
-        return cold if cold is not None else min(free, key=lambda s: self.hist[s][2])
+        waiting = {id(key) for key, _ in take + self.queue}
+        out = []
+        for key, prompt in take:
+            open_ = [s for s in range(self.S) if self.key[s] is None]
+            warm = next((s for s in open_ if self.kept[s] is key), None)
+            cold = [s for s in open_ if id(self.kept[s]) not in waiting] or open_
+            s = warm if warm is not None else cold[0]
+            self.key[s], self.kept[s] = key, None
+            self._room(len(prompt) + self.max_new)
+            out.append((s, key, prompt))
+        return out
 
     def _retire(self, s: int) -> tuple[object, list[int]]:
         """Free slot s, keeping what its cache holds (prompt and reply but the last token) for the next turn."""
         key, row = self.key[s], self.out[s]
-        self.hist[s] = (key, self.fed[s] + row[:-1], self.clock)
-        self.clock += 1
-        self.key[s], self.out[s] = None, []
+        self.held[s] = self.held[s] + row[:-1]
+        self.key[s], self.kept[s], self.out[s] = None, key, []
         return key, row
 
     def _pick(self, logits: torch.Tensor) -> torch.Tensor:
         return BatchGenerator._pick(logits, *self.sampling)
 
-    def _prefill(self, s: int, key, prompt: list[int]) -> int:
-        """Prompt into slot s, reusing the columns that already hold its first tokens (the conversation's previous
-        turn, when the slot kept it); the first new token."""
+    def _reuse(self, s: int, prompt: list[int], fresh: set[int]) -> int:
+        """Columns of `prompt` slot s can start from (at least its last token is computed anew): the longest
+        prefix some slot's cache holds (slot s's own, or copied from another slot not being refilled now)."""
+        best, src = _common_prefix(self.held[s], prompt[:-1]), s
+        for r in range(self.S):
+            if r not in fresh and r != s and self.held[r][:1] == prompt[:1]:
+                n = _common_prefix(self.held[r], prompt[:-1])
+                if n > best:
+                    best, src = n, r
+        if src != s:
+            self.k[:, s, :, :best], self.v[:, s, :, :best] = self.k[:, src, :, :best], self.v[:, src, :, :best]
+        self.reused += best
+        return best
+
+    def _prefill(self, group: list[tuple[int, object, list[int]]]) -> list[tuple[int, int]]:
+        """The group's prompts into their slots, packed into one row (each prompt attends to its own slot's
+        columns); [(slot, first new token)]."""
         lean, dev = self.lean, self.target.device
-        kept = self.hist[s][1] if self.hist[s] is not None and self.hist[s][0] is key else []
-        start = _common_prefix(kept, prompt[:-1])  # at least the last prompt token is computed anew
-        self.hist[s] = None
-        self.reused += start
-        n = len(prompt) - start
-        ids = torch.tensor([prompt[start:]], device=dev)
-        body = lean.model.model
-        x = body.embed_tokens(ids)
-        cos, sin = body.rotary_emb(x, torch.arange(start, start + n, device=dev)[None])
-        cos, sin = cos[:, None], sin[:, None]
-        mask = (torch.arange(start + n, device=dev)[None] <= torch.arange(start, start + n, device=dev)[:, None])
+        fresh = {s for s, _, _ in group}
+        starts = [self._reuse(s, prompt, fresh) for s, _, prompt in group]
+        ids, rows, cols, spans, at = [], [], [], [], 0
+        for (s, _, prompt), start in zip(group, starts):
+            n = len(prompt) - start
+            ids += prompt[start:]
+            rows += [s] * n
+            cols += range(start, len(prompt))
+            spans.append((s, at, start, len(prompt)))
+            at += n
+        cols_t = torch.tensor(cols, device=dev)
+        x = lean.model.model.embed_tokens(torch.tensor([ids], device=dev))  # [1,N,H]
+        cos, sin = self.cos[cols_t][None, None], self.sin[cols_t][None, None]  # [1,1,N,hd]
+        gqa = lean.nkv != lean.nh
 
-        def attend(qs, ks, vs):
-            if start == 0:
-                return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=lean.nkv != lean.nh)
-            return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=lean.nkv != lean.nh)
-
-        tok = int(self._pick(lean.logits(x, cos, sin, self.k[:, s:s + 1], self.v[:, s:s + 1], start, attend))[0])
-        self.len[s], self.last[s], self.fed[s] = len(prompt), tok, list(prompt)
-        return tok
-
-    def _decode(self, busy: list[int]) -> torch.Tensor:
-        """One token for every slot (free slots compute on whatever they hold; their tokens are ignored)."""
-        lean = self.lean
-        body = lean.model.model
-        cols = self.len  # each row's new column is its current length
-        width, long = _split_widths([int(c) + 1 if s in busy else 1 for s, c in enumerate(cols.tolist())])
-        x = body.embed_tokens(self.last[:, None])  # [S,1,H]
-        cos, sin = body.rotary_emb(x, cols[:, None])
-        cos, sin = cos[:, None], sin[:, None]
-        mask = (torch.arange(width, device=cols.device)[None] <= cols[:, None])[:, None, None]  # [S,1,1,width]
-
-        def attend(qs, k, v):
-            o = decode_attention(qs, k[:, :, :width], v[:, :, :width], mask)
-            for r, w in long:  # rows longer than the common width: alone, over their own columns
-                o[r:r + 1] = decode_attention(qs[r:r + 1], k[r:r + 1, :, :w], v[r:r + 1, :, :w], None)
+        def attend(qs, k, v):  # qs [1,nh,N,hd]; each prompt over its own slot's columns 0..len
+            o = torch.empty_like(qs)
+            for s, a, start, end in spans:
+                mask = None if start == 0 else \
+                    torch.arange(end, device=dev)[None] <= torch.arange(start, end, device=dev)[:, None]
+                o[:, :, a:a + end - start] = F.scaled_dot_product_attention(
+                    qs[:, :, a:a + end - start], k[s:s + 1, :, :end], v[s:s + 1, :, :end], attn_mask=mask,
+                    is_causal=start == 0, enable_gqa=gqa)
             return o
 
-        tok = self._pick(lean.logits(x, cos, sin, self.k, self.v, cols, attend))  # [S]
-        self.len[busy] += 1
-        self.last = tok
+        ends = torch.tensor([a + end - start - 1 for _, a, start, end in spans], device=dev)
+        place = (torch.tensor(rows, device=dev), cols_t)
+        toks = self._pick(lean.logits(x, cos, sin, self.k, self.v, place, attend, ends)).tolist()
+        for (s, _, prompt), tok in zip(group, toks):
+            self.len[s], self.last[s], self.held[s] = len(prompt), tok, list(prompt)
+        return [(s, tok) for (s, _, _), tok in zip(group, toks)]
+
+    def _decode(self, n: int) -> torch.Tensor:
+        """One token for each of slots 0..n (free ones are computed but not attended; their tokens are ignored)."""
+        lean, dev = self.lean, self.target.device
+        cols = self.len[:n]  # each row's new column is its current length
+        busy = [self.key[s] is not None for s in range(n)]
+        runs = width_chunks([c + 1 if b else 0 for c, b in zip(cols.tolist(), busy)])
+        widest = max(w for _, _, w in runs)
+        x = lean.model.model.embed_tokens(self.last[:n, None])  # [n,1,H]
+        cos, sin = self.cos[cols][:, None, None], self.sin[cols][:, None, None]  # [n,1,1,hd]
+        bias = mask_bias((torch.arange(widest, device=dev)[None] <= cols[:, None])[:, None, None], x.dtype)
+
+        def attend(qs, k, v):
+            if len(runs) == 1 and runs[0][:2] == (0, n):
+                return decode_attention(qs, k[:n, :, :widest], v[:n, :, :widest], bias)
+            o = torch.zeros_like(qs)  # free slots outside every run: never read
+            for a, b, w in runs:
+                o[a:b] = decode_attention(qs[a:b], k[a:b, :, :w], v[a:b, :, :w], bias[a:b, ..., :w])
+            return o
+
+        place = (torch.arange(n, device=dev), cols)
+        tok = self._pick(lean.logits(x, cos, sin, self.k, self.v, place, attend))  # [n]
+        self.len[:n] += torch.tensor(busy, device=dev)
+        self.last[:n] = tok
         return tok
+
+
+def _packs(admitted: list) -> list[list]:
+    """Admitted prompts in groups of at most PACK tokens (a longer prompt alone)."""
+    groups, size = [], PACK
+    for item in admitted:
+        if size + len(item[2]) > PACK:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += len(item[2])
+    return groups

@@ -33,6 +33,7 @@ from eyas.core.errors import EyasError, Incomplete
 from eyas.core.files import read_json, write_json
 from eyas.core.generate import BatchGenerator, SlotGenerator, supports
 from eyas.core.log import console, fmt_duration, fmt_int
+from eyas.core.memory import tune_allocator
 from eyas.core.target import DEFAULT_TARGET, load_target
 from eyas.core.threads import Threads
 from eyas.data.chat import ChatRenderer
@@ -60,7 +61,7 @@ class RegenerateConfig(StageConfig):
     max_turns: int = opt(0, "answer only the first N user turns of a conversation, dropping the rest (0: all)")
     max_prompt_tokens: int = opt(0, "local backend: leave out prompts longer than N tokens, counted as left out "
                                  "(0: whatever fits the context with --max-new-tokens)")
-    batch_size: int = opt(8, "local backend: conversations generated together")
+    batch_size: int = opt(32, "local backend: conversations generated together (the lean decoder's slots)")
     generator: str = opt("auto", "local backend: lean (batched decoder for Llama-family targets, fast on CPUs), hf "
                          "(transformers generate, any model); auto = lean where it applies",
                          choices=("auto", "lean", "hf"))
@@ -107,6 +108,7 @@ class LocalBackend:
     def __init__(self, cfg: RegenerateConfig, con):
         self.cfg, self.con = cfg, con
         device = pick_device(cfg.device)
+        tune_allocator()  # eyas.core.memory: freed buffers stay in the process (no page faults per step)
         self.cpu = Threads(cfg.threads, 1, device)
         con.print("threads: %d (%s)" % self.cpu.apply())
         self.target = load_target(cfg.target, dtype=cfg.dtype, device=device, trust_remote_code=cfg.trust_remote_code)
