@@ -32,7 +32,7 @@ class Tally:
     """A Sink stand-in: counts finished conversations and their reply tokens, keeps the replies."""
 
     def __init__(self):
-        self.tokens, self.replies = 0, {}
+        self.tokens, self.replies, self.failed_in_a_row = 0, {}, 0
 
     def finished(self, d) -> None:
         conv = d.result()

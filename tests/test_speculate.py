@@ -17,6 +17,7 @@ from eyas.speculate.decode import (
 from eyas.speculate.drafters import (
     Controller,
     Eagle3Drafter,
+    HybridDrafter,
     OracleDrafter,
     PromptLookupDrafter,
     TreeShape,
@@ -118,12 +119,14 @@ def _drafter(kind, target):
         return OracleDrafter(chain, tree=kind.endswith("tree"), vocab=target.vocab_size)
     if kind == "prompt-lookup":
         return PromptLookupDrafter(chain)
+    if kind == "hybrid":
+        return HybridDrafter(Eagle3Drafter(trained_draft(target), k=chain), PromptLookupDrafter(chain))
     draft = trained_draft(target) if kind.startswith("trained") else untrained_draft(target)
     return Eagle3Drafter(draft, k=chain, tree=tree if kind.endswith("tree") else None)
 
 
 KINDS = ["untrained-chain", "untrained-tree", "trained-chain", "trained-tree", "oracle-chain", "oracle-tree",
-         "prompt-lookup"]
+         "prompt-lookup", "hybrid"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -142,7 +145,7 @@ def test_greedy_speculation_equals_greedy_decoding(tiny_target, refs, kind):
             assert accepted[:-1] == [4] * (len(accepted) - 1) and sum(accepted) + len(accepted) >= NEW - 1
     if kind.startswith("oracle"):
         assert min(taus) >= 4.0  # k + 1 = 5 except the shorter last round (31 tokens in 7 rounds)
-    if kind.startswith("trained"):
+    if kind.startswith("trained") or kind == "hybrid":
         assert sum(taus[:4]) / 4 > 2.0, taus  # on the prompts it was trained on
 
 
@@ -321,3 +324,44 @@ def test_controller_picks_plain_for_a_poor_draft_and_long_chains_for_a_good_one(
     extra = sum(poor.t(k + 1) + 0.002 * k - poor.t(1) for k in picks[20:]) / (180 * poor.t(1))
     assert extra <= 0.025  # the probes cost at most ~2% of plain decoding's time
     assert good.choose() == 7
+
+
+def _started(target, drafter, prompt):
+    runner = LeanRunner(target, target.default_feature_layers())
+    with torch.inference_mode():
+        logits, feats = runner.prefill(torch.tensor(prompt))
+        seq = list(prompt) + [int(logits[-1].argmax())]
+        drafter.start(seq, feats)
+    return seq, feats
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_hybrid_proposes_the_drafter_expected_to_yield_more_with_its_own_law(tiny_target, temperature):
+    """Per round the hybrid verifies one drafter's proposal as that drafter made it (prompt lookup's tokens as a
+    point mass, EAGLE-3's with the law it sampled them from), chosen by the expected accepted length."""
+    draft = trained_draft(tiny_target)
+    prompt = random_prompts(1, seed=7)[0]
+    lookup = PromptLookupDrafter(4)
+    hybrid = HybridDrafter(Eagle3Drafter(draft, k=3), lookup)
+    seq, _ = _started(tiny_target, hybrid, prompt)
+    seq = seq + prompt[:3]  # ends as the prompt began: prompt lookup proposes what followed there
+    gen = torch.Generator().manual_seed(0)
+    hybrid.stats = {"eagle3": [1.0, 20.0], "prompt-lookup": [20.0, 1.0]}  # lookup has been accepted, the draft not
+    calls = hybrid.forward_calls
+    with torch.inference_mode():
+        got = hybrid.propose(seq, temperature, gen, None)
+    want = lookup.propose(seq, temperature, gen, None)
+    assert len(want) and got.tokens.tolist() == want.tokens.tolist() and got.q is None
+    assert hybrid.forward_calls == calls and hybrid.used == {"eagle3": 0, "prompt-lookup": 1}  # no draft forward
+    hybrid.update(seq + got.tokens.tolist()[:2] + [5], None)  # 2 of its 4 accepted, then the target's token
+    assert hybrid.stats["prompt-lookup"] == [0.9 * 20 + 2, 0.9 * 1 + 1]
+
+    alone = Eagle3Drafter(draft, k=3)
+    seq, _ = _started(tiny_target, hybrid, prompt)
+    _started(tiny_target, alone, prompt)
+    hybrid.stats = {"eagle3": [20.0, 1.0], "prompt-lookup": [1.0, 20.0]}
+    with torch.inference_mode():
+        got = hybrid.propose(seq, temperature, torch.Generator().manual_seed(1), None)
+        want = alone.propose(seq, temperature, torch.Generator().manual_seed(1), None)
+    assert got.tokens.tolist() == want.tokens.tolist() and hybrid.forward_calls > calls
+    assert (got.q is None) == (temperature == 0) and (got.q is None or torch.equal(got.q, want.q))

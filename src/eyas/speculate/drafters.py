@@ -230,6 +230,63 @@ class PromptLookupDrafter(Drafter):
         return Proposal.empty()
 
 
+class HybridDrafter(Drafter):
+    """An EAGLE-3 chain and prompt lookup in one decoder: each round proposes the candidate with the higher
+    expected accepted length, E(k) = sum_{i=0..k} alpha^i over its k tokens, where alpha is that drafter's
+    acceptance rate so far (accepted / (accepted + rejections), decayed by `decay` per round it was used, from a
+    prior of one each). Prompt lookup costs no model forward, so where it finds a match it is free to try; a
+    round that uses it leaves the draft's features pending and the next EAGLE-3 round catches up on them. Either
+    way the round verifies one drafter's proposal with its own q, so decoding stays lossless."""
+
+    name = "hybrid"
+
+    def __init__(self, eagle: "Eagle3Drafter", lookup: PromptLookupDrafter, decay: float = 0.9):
+        self.k = max(eagle.k, lookup.k)  # no Drafter.__init__: the time and calls are the draft model's own
+        self.eagle, self.lookup, self.decay = eagle, lookup, decay
+        self.stats = {"eagle3": [1.0, 1.0], "prompt-lookup": [1.0, 1.0]}  # [accepted, rejections], decayed
+        self.used = {"eagle3": 0, "prompt-lookup": 0}  # rounds each drafter's proposal was verified
+        self.last: tuple[str, int, int] | None = None  # (drafter, tokens proposed, len(seq)) of the open round
+
+    @property
+    def forward_time(self) -> float:
+        return self.eagle.forward_time
+
+    @property
+    def forward_calls(self) -> int:
+        return self.eagle.forward_calls
+
+    def expected(self, which: str, k: int) -> float:
+        a, r = self.stats[which]
+        alpha = a / (a + r)
+        return float(sum(alpha ** i for i in range(k + 1)))
+
+    def start(self, seq, feats) -> None:
+        self.eagle.start(seq, feats)
+        self.last = None
+
+    def update(self, seq, feats) -> None:
+        self.eagle.update(seq, feats)
+        if self.last is not None:
+            which, k, before = self.last
+            accepted = len(seq) - before - 1  # the round added the accepted tokens and one of the target's
+            st = self.stats[which]
+            st[0] = self.decay * st[0] + accepted
+            st[1] = self.decay * st[1] + (1 if accepted < k else 0)
+            self.last = None
+
+    def propose(self, seq, temperature, gen, budget) -> Proposal:
+        k = self.eagle.k if budget is None else min(budget, self.eagle.k)
+        if k <= 0:
+            return Proposal.empty()
+        found = self.lookup.propose(seq, temperature, gen, None if budget is None else budget)
+        use_lookup = len(found) and self.expected("prompt-lookup", len(found)) > self.expected("eagle3", k)
+        prop = found if use_lookup else self.eagle.propose(seq, temperature, gen, k)
+        which = "prompt-lookup" if use_lookup else "eagle3"
+        self.used[which] += 1
+        self.last = (which, len(prop), len(seq))
+        return prop
+
+
 class OracleDrafter(Drafter):
     """Proposes a known continuation (the target's own greedy output): at temperature 0 every token is accepted.
     With `tree=True` each true token has a wrong sibling placed before it, and that sibling a child carrying the

@@ -41,6 +41,7 @@ from eyas.speculate.decode import (
 from eyas.speculate.drafters import (
     Controller,
     Eagle3Drafter,
+    HybridDrafter,
     OracleDrafter,
     PromptLookupDrafter,
     TreeShape,
@@ -70,8 +71,10 @@ class EvalConfig(StageConfig):
     num_prompts: int = opt(10, "prompts to run (0 = all)")
     per_category: int = opt(0, "at most N prompts of each category, in file order (0 = no limit); MT-Bench lists its "
                             "categories one after another, so --per-category 2 samples all eight")
-    baselines: tuple[str, ...] = opt(("prompt-lookup",),
-                                     "other drafters: prompt-lookup, oracle, or a draft checkpoint folder")
+    baselines: tuple[str, ...] = opt(("prompt-lookup", "hybrid"),
+                                     "other drafters: prompt-lookup, hybrid (the draft's longest chain and prompt "
+                                     "lookup, per round the one expected to yield more), oracle, or a draft "
+                                     "checkpoint folder")
     lookup_k: int = opt(7, "prompt lookup: tokens proposed per round")
     hf_generate: bool = opt(True, "also time transformers' generate; the faster plain decoder is the baseline")
     dtype: str = opt("bfloat16", "target and draft dtype", choices=("bfloat16", "float32", "float16"))
@@ -222,6 +225,10 @@ def build_methods(cfg: EvalConfig, draft, extra: dict, latency: dict, vocab: int
         if b == "prompt-lookup":
             methods.append(Method(f"prompt-lookup k={cfg.lookup_k}", PromptLookupDrafter(cfg.lookup_k),
                                   ctl(cfg.lookup_k), "chain", cfg.lookup_k, b))
+        elif b == "hybrid":  # the draft's longest chain and prompt lookup, per round the likelier to pay
+            k = max(cfg.chain or (cfg.tree_depth,))
+            drafter = HybridDrafter(Eagle3Drafter(draft, k=k), PromptLookupDrafter(cfg.lookup_k))
+            methods.append(Method(f"hybrid k={k} + prompt-lookup k={cfg.lookup_k}", drafter, ctl(k), "chain", k, b))
         elif b == "oracle":
             k = max(cfg.chain or (cfg.tree_depth,))
             methods.append(Method(f"oracle k={k}", OracleDrafter(k, vocab=vocab), None, "chain", k, b))
@@ -267,7 +274,7 @@ def run(cfg: EvalConfig) -> dict:
     con.print(target.info())
     draft = load_draft(cfg.draft, target, device, target.dtype)
     extra = {b: load_draft(b, target, device, target.dtype) for b in cfg.baselines
-             if b not in ("prompt-lookup", "oracle", "none", "")}
+             if b not in ("prompt-lookup", "hybrid", "oracle", "none", "")}
     quant = cfg.draft_quant
     if quant == "int8":
         if device.type != "cpu" or not hasattr(torch, "_weight_int8pack_mm"):

@@ -120,7 +120,8 @@ def aggregate(cfg, target, draft, runner, items, methods, records, latency) -> d
                         "end_to_end_speedup_vs_eyas_greedy": e2e_m / e2e_plain,
                         "lossless": _lossless(by(m.name), target.tokenizer) if cfg.temperature == 0 else
                         {"checked": False, "identical": None, "first_divergence": None},
-                        "per_category": per_cat})
+                        "per_category": per_cat,
+                        **({"rounds_by_drafter": dict(m.drafter.used)} if hasattr(m.drafter, "used") else {})})
     best = max(configs, key=lambda c: c["speedup"] or 0.0, default=None)
     drafted = [c for c in configs if c["drafter"] == "eagle3"] or configs
     shown = max(drafted, key=lambda c: c["speedup"] or 0.0, default=None)
