@@ -365,3 +365,54 @@ def test_hybrid_proposes_the_drafter_expected_to_yield_more_with_its_own_law(tin
         want = alone.propose(seq, temperature, torch.Generator().manual_seed(1), None)
     assert got.tokens.tolist() == want.tokens.tolist() and hybrid.forward_calls > calls
     assert (got.q is None) == (temperature == 0) and (got.q is None or torch.equal(got.q, want.q))
+
+
+@pytest.mark.parametrize("runner_kind", ["lean", "hf"])
+def test_decode_time_chain_equals_training_time_predictions(tiny_target, runner_kind):
+    """The draft predicts at decode time what training taught it on the same sequence: the features the decoder
+    feeds it equal what extraction stores, and each token of an EAGLE-3 chain drafted after a prompt is the
+    training-time top-1 of that TTT step at the prompt's last position, when the sequence continues with the
+    chain (as an accepted chain does). Training accuracy and acceptance measure the same predictions."""
+    from eyas.draft.ttt import ttt_forward
+    from eyas.store.extract import Capture, forward_batch
+
+    k = 5
+    draft = trained_draft(tiny_target)
+    layers = tiny_target.default_feature_layers()
+    runner = (LeanRunner if runner_kind == "lean" else HFRunner)(tiny_target, layers)
+    prompt = random_prompts(16)[2]
+    drafter = Eagle3Drafter(draft, k=k)
+    seen = []  # the draft's logits at each decode-time forward: the catch-up's last row, then each chain step's
+    forward = drafter._forward
+
+    def recording(*args, **kw):
+        h, lg, cache = forward(*args, **kw)
+        seen.append(torch.log_softmax(lg[-1].float(), -1))
+        return h, lg, cache
+
+    drafter._forward = recording
+    with torch.inference_mode():
+        logits, feats = runner.prefill(torch.tensor(prompt))
+        seq = list(prompt) + [int(logits[-1].argmax())]
+        drafter.start(seq, feats)
+        chain = drafter.propose(seq, 0.0, None, None).tokens.tolist()
+    assert len(seen) == k  # one catch-up, k - 1 chain steps
+    full = seq + chain  # the sequence training would see if the chain were the data
+    with Capture(tiny_target, layers) as cap:
+        stored = forward_batch(tiny_target, cap, [torch.tensor(full)])  # [aux0, aux1, aux2, final], [1,T,H]
+    aux = torch.cat(stored[:3], dim=-1)  # [1,T,3H]
+    torch.testing.assert_close(aux[0, :len(prompt)], feats.float(), rtol=1e-5, atol=1e-5)
+
+    t, T = len(prompt) - 1, len(full)
+    d_ids = {int(g): i for i, g in enumerate(draft.target_ids())}
+    ids = torch.tensor([full])
+    for i in range(k):  # step i at position t predicts full[t+2+i] = chain[i] (step 0: after seq's last token)
+        logp = torch.full((1, T, draft.cfg.draft_vocab_size), -1e4)
+        logp[0, t + 1 + i, d_ids[chain[i]]] = 0.0  # the "target" says: the chain's own token
+        mask = torch.zeros(1, T, dtype=torch.long)
+        mask[0, t + 2 + i] = 1
+        with torch.no_grad():
+            r = ttt_forward(draft, ids, aux, logp, mask, steps=i + 1)
+        assert int(r.count[i]) == 1 and int(r.correct[i]) == 1, f"step {i}: training's top-1 is not chain[{i}]"
+        # and the same distribution: training's loss against a one-hot target is decode time's -log q(chain[i])
+        torch.testing.assert_close(r.loss_sum[i], -seen[i][d_ids[chain[i]]], rtol=1e-4, atol=1e-4)
