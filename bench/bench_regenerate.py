@@ -18,6 +18,12 @@ attention over the context, a few per cent more at these lengths, is left out, s
     python bench/bench_regenerate.py                                   # GSM8K train, 256 prompts, 256 new tokens
     python bench/bench_regenerate.py --data chitchat --samples 64 --max-turns 3 --max-new-tokens 96   # the recipe's
     python bench/bench_regenerate.py --methods slots server --server http://127.0.0.1:8000 --concurrency 16 64
+    python bench/bench_regenerate.py --attention      # the single-query attention alone: cost per call and per column
+
+`--attention` times eyas.core.generate.decode_attention on SmolLM2-135M's shapes over a cache slice, against
+bmm over the strided slice without the copy and against scaled_dot_product_attention, at several row counts and
+widths; the fit of time = a + b x rows x columns gives the per-call cost a and per row-column cost b behind
+eyas.core.generate.GROUP.
 """
 
 from __future__ import annotations
@@ -59,7 +65,10 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 64], help="the server method's")
     ap.add_argument("--methods", nargs="+", default=["slots", "batches", "hf"])
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--attention", action="store_true", help="time the single-query attention alone")
     a = ap.parse_args()
+    if a.attention:
+        return attention_bench(a.dtype)
 
     from eyas.core.log import Console
     from eyas.data.formats import Issues
@@ -113,6 +122,51 @@ def main() -> None:
             print(f"batch {b}: conversations with the same replies in slots and batches: "
                   f"{sum(x[k] == y[k] for k in x)}/{len(x)} (bf16 near-ties; fp32 is identical in the tests)")
     print(f"bench_regenerate: load {os.getloadavg()[0]:.2f} after")
+
+
+def attention_bench(dtype: str) -> None:
+    """decode_attention per layer over a cache slice, against bmm on the strided slice and SDPA (alternated)."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from eyas.core.generate import GROUP, decode_attention, mask_bias
+    from eyas.core.memory import tune_allocator
+
+    tune_allocator()
+    dt = getattr(torch, dtype)
+    nh, nkv, hd, cap = 9, 3, 64, 1024  # SmolLM2-135M's heads
+    scale = hd ** -0.5
+
+    def strided(q, k, v, bias):  # the same math without the copy of the slice
+        B, W = q.shape[0], k.shape[2]
+        s = torch.baddbmm(bias.expand(B, nkv, nh // nkv, W).reshape(B * nkv, nh // nkv, W),
+                          q.reshape(B * nkv, nh // nkv, hd), k.reshape(B * nkv, W, hd).transpose(1, 2), alpha=scale)
+        return torch.bmm(torch.softmax(s, -1, dtype=torch.float32).to(v.dtype), v.reshape(B * nkv, W, hd))
+
+    def sdpa(q, k, v, bias):
+        return F.scaled_dot_product_attention(q.view(q.shape[0], nkv, nh // nkv, hd), k, v, attn_mask=bias)
+
+    fns = {"decode_attention": decode_attention, "bmm on the strided slice": strided, "sdpa": sdpa}
+    print(f"{'rows':>5s} {'columns':>8s} " + " ".join(f"{n:>26s}" for n in fns) + "   (us per layer, median of 20)")
+    points = []
+    for rows, width in [(1, 64), (1, 256), (8, 128), (32, 128), (32, 256), (64, 256), (128, 256)]:
+        k = torch.randn(rows, nkv, cap, hd, dtype=dt)
+        v = torch.randn_like(k)
+        q = torch.randn(rows, nh, 1, hd, dtype=dt)
+        bias = mask_bias(torch.ones(rows, 1, 1, width, dtype=torch.bool), dt)
+        times = {n: [] for n in fns}
+        for _ in range(20):
+            for n, f in fns.items():
+                t0 = time.perf_counter()
+                f(q, k[:, :, :width], v[:, :, :width], bias)
+                times[n].append(time.perf_counter() - t0)
+        med = {n: 1e6 * statistics.median(t) for n, t in times.items()}
+        points.append((rows * width, med["decode_attention"]))
+        print(f"{rows:5d} {width:8d} " + " ".join(f"{med[n]:26.0f}" for n in fns))
+    b, a0 = np.polyfit([x for x, _ in points], [y for _, y in points], 1)
+    print(f"decode_attention ~ {a0:.0f} us per call + {1000 * b:.0f} ns per row-column: one more call costs "
+          f"{a0 / b:.0f} row-columns (GROUP = {GROUP})")
 
 
 def gemm_rate(target: str, dtype: str) -> tuple[float, float]:

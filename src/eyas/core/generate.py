@@ -17,7 +17,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from eyas.core.memory import to_hugepages, zeros
+from eyas.core.memory import to_hugepages
 
 LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2")  # pre-norm, RoPE, SiLU-gated MLP, no extra norms
 
@@ -75,7 +75,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     """Attention of one new token per row: q [B,nh,1,hd] over k, v [B,nkv,W,hd]; bias [B,1,1,W] is added to the
     scores (0: attend, -inf: masked; one tensor for every layer of a step, from `mask_bias`) or None (every column).
     Two batched matmuls with the query heads of each kv head side by side. On a CPU this is several times faster
-    than scaled_dot_product_attention for a single query (bench/bench_regenerate.py --attention), whose flash
+    than scaled_dot_product_attention for a single query (`bench/bench_regenerate.py --attention`), whose flash
     kernel tiles for long queries."""
     B, nh, _, hd = q.shape
     nkv, W = k.shape[1], k.shape[2]
@@ -272,7 +272,8 @@ class SlotGenerator:
         cap = max(need, 2 * self.cap, 256)
         lean, dev, dt = self.lean, self.target.device, self.target.dtype
         shape = (len(lean.layers), self.S, lean.nkv, cap, lean.hd)
-        k, v = zeros(shape, dt, dev), zeros(shape, dt, dev)  # eyas.core.memory: huge pages on a CPU
+        k = torch.zeros(shape, dtype=dt, device=dev)  # in huge pages on a CPU (eyas sets THP_MEM_ALLOC_ENABLE)
+        v = torch.zeros_like(k)
         if self.k is not None:
             k[..., :self.cap, :], v[..., :self.cap, :] = self.k, self.v
         self.k, self.v, self.cap = k, v, cap

@@ -55,16 +55,6 @@ def to_hugepages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor, in huge pages on a CPU (a cache that every decode step reads, like the weights)."""
-    n = torch.Size(shape).numel() * dtype.itemsize
-    if device.type != "cpu" or not available() or not n:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    area = mmap.mmap(-1, (n + HUGE - 1) // HUGE * HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zero-filled
-    area.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(area, dtype=torch.uint8)[:n].view(dtype).view(shape)  # holds `area` alive
-
-
 def pack_module(module: torch.nn.Module) -> torch.nn.Module:
     """Moves a frozen module's CPU parameters and buffers into huge pages (tied weights stay tied); returns it."""
     owners: dict[tuple, list[torch.Tensor]] = {}  # one view of memory -> the parameters and buffers that are it
