@@ -22,8 +22,8 @@ attention over the context, a few per cent more at these lengths, is left out, s
 
 `--attention` times eyas.core.generate.decode_attention on SmolLM2-135M's shapes over a cache slice, against
 bmm over the strided slice without the copy and against scaled_dot_product_attention, at several row counts and
-widths; the fit of time = a + b x rows x columns gives the per-call cost a and per row-column cost b behind
-eyas.core.generate.GROUP.
+widths; one row's time (the cost of a call) over the cost of a row-column at 32-128 rows is what
+eyas.core.generate.GROUP estimates.
 """
 
 from __future__ import annotations
@@ -126,7 +126,6 @@ def main() -> None:
 
 def attention_bench(dtype: str) -> None:
     """decode_attention per layer over a cache slice, against bmm on the strided slice and SDPA (alternated)."""
-    import numpy as np
     import torch
     import torch.nn.functional as F
 
@@ -164,9 +163,11 @@ def attention_bench(dtype: str) -> None:
         med = {n: 1e6 * statistics.median(t) for n, t in times.items()}
         points.append((rows * width, med["decode_attention"]))
         print(f"{rows:5d} {width:8d} " + " ".join(f"{med[n]:26.0f}" for n in fns))
-    b, a0 = np.polyfit([x for x, _ in points], [y for _, y in points], 1)
-    print(f"decode_attention ~ {a0:.0f} us per call + {1000 * b:.0f} ns per row-column: one more call costs "
-          f"{a0 / b:.0f} row-columns (GROUP = {GROUP})")
+    alone = points[0][1]  # one row of 64 columns: what one more call costs, nearly all overhead
+    (x0, y0), (x1, y1) = points[-3], points[-1]  # 32 and 128 rows of 256 columns
+    per = (y1 - y0) / (x1 - x0)
+    print(f"decode_attention: a call over one row costs {alone:.0f} us; a row-column {1000 * per:.0f} ns at 32-128 "
+          f"rows: one more call costs ~{alone / per:.0f} row-columns (GROUP = {GROUP})")
 
 
 def gemm_rate(target: str, dtype: str) -> tuple[float, float]:
