@@ -183,8 +183,9 @@ class BatchGenerator:
         return self.model.lm_head(self.model.model.norm(last))
 
 
-GROUP = 1000  # row-columns of batched attention one more attention call costs (measured: ~100 us per call,
-# ~0.1 us per row-column per layer on a 2-core CPU; bench/bench_regenerate.py --attention)
+GROUP = 1000  # row-columns of batched attention one more attention call costs: 65-100 us a call against 0.08-0.17
+# us a row-column per layer on a 2-core AMD EPYC, i.e. 400-1,000 (bench/bench_regenerate.py --attention); 400 and
+# 3,000 ran within the machine's noise of 1,000 end to end (docs/regenerate.md)
 
 
 def width_chunks(widths: list[int], depth: int = 3) -> list[tuple[int, int, int]]:
