@@ -70,7 +70,10 @@ def main() -> None:
     if a.attention:
         return attention_bench(a.dtype)
 
+    import torch
+
     from eyas.core.log import Console
+    from eyas.core.target import load_target
     from eyas.data.formats import Issues
     from eyas.data.regenerate import LocalBackend, RegenerateConfig, pending, run_batches, run_slots
     from eyas.data.server import ServerBackend, run_server
@@ -105,7 +108,8 @@ def main() -> None:
             replies[m, setting] = sink.replies
             print(f"  {m:8s} {setting:15s}: {sink.tokens:6d} reply tokens in {seconds:6.1f} s = "
                   f"{sink.tokens / seconds:6.1f} tokens/s")
-    rate, per_token = gemm_rate(a.target, a.dtype)
+    loaded = next((b.target for b in backends.values() if isinstance(b, LocalBackend)), None)
+    rate, per_token = gemm_rate(loaded or load_target(a.target, dtype=a.dtype, device=torch.device("cpu")))
     print(f"GEMM rate ({a.dtype}, the fused [gate|up] weight x 512 rows): {rate / 1e9:.0f} GFLOP/s; "
           f"{per_token / 1e6:.0f} MFLOP per token in the weights")
     med = {k: statistics.median(v) for k, v in results.items()}
@@ -170,15 +174,14 @@ def attention_bench(dtype: str) -> None:
           f"rows: one more call costs ~{alone / per:.0f} row-columns (GROUP = {GROUP})")
 
 
-def gemm_rate(target: str, dtype: str) -> tuple[float, float]:
-    """(FLOP/s of F.linear on the target's fused [gate|up] weight at 512 rows, FLOPs per token in its weights)."""
+def gemm_rate(t) -> tuple[float, float]:
+    """(FLOP/s of F.linear on the loaded target's fused [gate|up] weight at 512 rows, FLOPs per token in its
+    weights)."""
     import torch
     import torch.nn.functional as F
 
     from eyas.core.generate import BatchGenerator
-    from eyas.core.target import load_target
 
-    t = load_target(target, dtype=dtype, device=torch.device("cpu"))
     lean = BatchGenerator(t)
     weights = [*lean.wqkv, *lean.wgu] + [m.weight for layer in lean.layers
                                          for m in (layer.self_attn.o_proj, layer.mlp.down_proj)]

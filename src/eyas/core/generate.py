@@ -71,9 +71,9 @@ def layer_forward(layer, weights: tuple, heads: tuple[int, int, int], x: torch.T
     return x + layer.mlp.down_proj(F.silu(g) * u)
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """Attention of one new token per row: q [B,nh,1,hd] over k, v [B,nkv,W,hd]; bias [B,1,1,W] is added to the
-    scores (0: attend, -inf: masked; one tensor for every layer of a step, from `mask_bias`) or None (every column).
+    scores (0: attend, -inf: masked; one tensor for every layer of a step, from `mask_bias`).
     Two batched matmuls with the query heads of each kv head side by side. On a CPU this is several times faster
     than scaled_dot_product_attention for a single query (`bench/bench_regenerate.py --attention`), whose flash
     kernel tiles for long queries."""
@@ -83,12 +83,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     # A column slice of the cache is copied whole first: bmm over the strided slice is 3-4x slower than the copy
     # plus a bmm over contiguous rows (and 4-D matmul slower still)
     k3, v3 = k.contiguous().view(B * nkv, W, hd), v.contiguous().view(B * nkv, W, hd)
-    q3 = q.reshape(B * nkv, g, hd)
-    if bias is None:
-        scores = torch.bmm(q3, k3.transpose(1, 2)) * hd ** -0.5
-    else:  # the scale and the mask inside the matmul: one pass over the scores
-        scores = torch.baddbmm(bias.expand(B, nkv, g, W).reshape(B * nkv, g, W), q3, k3.transpose(1, 2),
-                               alpha=hd ** -0.5)
+    # the scale and the mask inside the matmul: one pass over the scores
+    scores = torch.baddbmm(bias.expand(B, nkv, g, W).reshape(B * nkv, g, W), q.reshape(B * nkv, g, hd),
+                           k3.transpose(1, 2), alpha=hd ** -0.5)
     o = torch.bmm(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), v3)  # [B*nkv,g,hd]
     return o.view(B, nh, 1, hd)
 
@@ -194,20 +191,17 @@ def width_chunks(widths: list[int], depth: int = 3) -> list[tuple[int, int, int]
     split in two where that saves more than one more call costs (GROUP), so one long conversation does not make
     every row attend over its length, and runs of free slots are not attended at all."""
 
-    def cost(lo: int, hi: int) -> int:
-        top = max(widths[lo:hi])
-        return (hi - lo) * top + GROUP if top else 0
+    def cost(rows: int, top: int) -> int:  # a run of `rows` rows attended over `top` columns (none when all free)
+        return rows * top + GROUP if top else 0
 
     def split(lo: int, hi: int, depth: int) -> list[tuple[int, int, int]]:
-        whole = cost(lo, hi)
+        top = max(widths[lo:hi])
         if depth and hi - lo > 1:
             left = list(itertools.accumulate(widths[lo:hi], max))  # left[i]: max of widths[lo..lo+i]
             right = list(itertools.accumulate(reversed(widths[lo:hi]), max))[::-1]  # right[i]: max of lo+i..hi
-            best, at = min(((m - lo) * left[m - lo - 1] + GROUP * (left[m - lo - 1] > 0)
-                            + (hi - m) * right[m - lo] + GROUP * (right[m - lo] > 0), m) for m in range(lo + 1, hi))
-            if best < whole:
+            best, at = min((cost(m - lo, left[m - lo - 1]) + cost(hi - m, right[m - lo]), m) for m in range(lo + 1, hi))
+            if best < cost(hi - lo, top):
                 return split(lo, at, depth - 1) + split(at, hi, depth - 1)
-        top = max(widths[lo:hi])
         return [(lo, hi, top)] if top else []
 
     return split(0, len(widths), depth)
@@ -243,7 +237,6 @@ class SlotGenerator:
         self.lean = BatchGenerator(target)
         self.target, self.S, self.max_new = target, slots, max_new
         self.stops = set(stops)
-        self.stop = torch.tensor(sorted(stops) or [-1], device=target.device)
         self.sampling = (temperature, top_p, generator)
         self.queue: list[tuple[object, list[int]]] = []
         self.key: list[object | None] = [None] * slots  # the row each slot holds (None: free)

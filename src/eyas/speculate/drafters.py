@@ -230,6 +230,18 @@ class PromptLookupDrafter(Drafter):
         return Proposal.empty()
 
 
+def chain_yield(accepted: float, rejections: float, k: int) -> float:
+    """Expected tokens of a chain of k (bonus included) when each is accepted with probability alpha given the
+    ones before, alpha = accepted / (accepted + rejections): sum_{i=0..k} alpha^i."""
+    alpha = accepted / (accepted + rejections)
+    return float(sum(alpha ** i for i in range(k + 1)))
+
+
+def decayed_counts(counts: tuple[float, float], accepted: int, depth: int, decay: float) -> tuple[float, float]:
+    """(accepted, rejections) after one round that accepted `accepted` of its `depth` drafted tokens."""
+    return decay * counts[0] + accepted, decay * counts[1] + (1 if accepted < depth else 0)
+
+
 class HybridDrafter(Drafter):
     """An EAGLE-3 chain and prompt lookup in one decoder: each round proposes the candidate with the higher
     expected accepted length, E(k) = sum_{i=0..k} alpha^i over its k tokens, where alpha is that drafter's
@@ -256,9 +268,7 @@ class HybridDrafter(Drafter):
         return self.eagle.forward_calls
 
     def expected(self, which: str, k: int) -> float:
-        a, r = self.stats[which]
-        alpha = a / (a + r)
-        return float(sum(alpha ** i for i in range(k + 1)))
+        return chain_yield(*self.stats[which], k)
 
     def start(self, seq, feats) -> None:
         self.eagle.start(seq, feats)
@@ -269,16 +279,14 @@ class HybridDrafter(Drafter):
         if self.last is not None:
             which, k, before = self.last
             accepted = len(seq) - before - 1  # the round added the accepted tokens and one of the target's
-            st = self.stats[which]
-            st[0] = self.decay * st[0] + accepted
-            st[1] = self.decay * st[1] + (1 if accepted < k else 0)
+            self.stats[which] = list(decayed_counts(self.stats[which], accepted, k, self.decay))
             self.last = None
 
     def propose(self, seq, temperature, gen, budget) -> Proposal:
         k = self.eagle.k if budget is None else min(budget, self.eagle.k)
         if k <= 0:
             return Proposal.empty()
-        found = self.lookup.propose(seq, temperature, gen, None if budget is None else budget)
+        found = self.lookup.propose(seq, temperature, gen, budget)
         use_lookup = len(found) and self.expected("prompt-lookup", len(found)) > self.expected("eagle3", k)
         prop = found if use_lookup else self.eagle.propose(seq, temperature, gen, k)
         which = "prompt-lookup" if use_lookup else "eagle3"
@@ -355,8 +363,7 @@ class Controller:
         return self._t[q]
 
     def expected(self, k: int) -> float:
-        a = self.A / (self.A + self.R)
-        return float(sum(a ** i for i in range(k + 1)))
+        return chain_yield(self.A, self.R, k)
 
     def options(self) -> list[tuple[int, float, float]]:
         """(budget, expected tokens, cost) of every choice; budget None = the full tree."""
@@ -391,5 +398,4 @@ class Controller:
             self.tree_tokens = self.decay * self.tree_tokens + r.accepted + 1
             self.tree_weight = self.decay * self.tree_weight + 1
         else:
-            self.A = self.decay * self.A + r.accepted
-            self.R = self.decay * self.R + (1 if r.accepted < r.depth else 0)
+            self.A, self.R = decayed_counts((self.A, self.R), r.accepted, r.depth, self.decay)

@@ -214,6 +214,7 @@ def load_draft(spec: str, target, device, dtype):
 def build_methods(cfg: EvalConfig, draft, extra: dict, latency: dict, vocab: int) -> list[Method]:
     ctl = (lambda kmax, size=None: Controller(latency, kmax, size)) if cfg.adaptive else (lambda *a: None)
     methods = []
+    longest = max(cfg.chain or (cfg.tree_depth,))  # the chain other drafters run beside the draft's
     for k in cfg.chain:
         methods.append(Method(f"eagle3 chain k={k}", Eagle3Drafter(draft, k=k), ctl(k), "chain", k, "eagle3"))
     if cfg.tree:
@@ -226,14 +227,14 @@ def build_methods(cfg: EvalConfig, draft, extra: dict, latency: dict, vocab: int
             methods.append(Method(f"prompt-lookup k={cfg.lookup_k}", PromptLookupDrafter(cfg.lookup_k),
                                   ctl(cfg.lookup_k), "chain", cfg.lookup_k, b))
         elif b == "hybrid":  # the draft's longest chain and prompt lookup, per round the likelier to pay
-            k = max(cfg.chain or (cfg.tree_depth,))
+            k = longest
             drafter = HybridDrafter(Eagle3Drafter(draft, k=k), PromptLookupDrafter(cfg.lookup_k))
             methods.append(Method(f"hybrid k={k} + prompt-lookup k={cfg.lookup_k}", drafter, ctl(k), "chain", k, b))
         elif b == "oracle":
-            k = max(cfg.chain or (cfg.tree_depth,))
+            k = longest
             methods.append(Method(f"oracle k={k}", OracleDrafter(k, vocab=vocab), None, "chain", k, b))
         elif b not in ("none", ""):
-            k = max(cfg.chain or (cfg.tree_depth,))
+            k = longest
             label = "/".join(Path(b).resolve().parts[-2:])  # run/final, not just final
             methods.append(Method(f"{label} chain k={k}", Eagle3Drafter(extra[b], k=k, name=b), ctl(k),
                                   "chain", k, b))
