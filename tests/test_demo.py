@@ -61,6 +61,32 @@ def test_quick_demo_runs_every_stage_and_reports_the_figures(quick_run):
 
 
 @needs_shared_data
+@pytest.mark.parametrize("target, parallel", [("tiny-qwen3-moe", "ddp"), ("tiny-deepseek-v3", "fsdp")])
+def test_every_stage_runs_on_moe_and_latent_attention_targets(tmp_path, target, parallel):
+    """The pipeline on the tiny Qwen3-MoE and DeepSeek-V3 targets (the tiny Llama is the quick run above):
+    regenerate (transformers' generate), extract, two-rank training, a lossless evaluation, the engines' export."""
+    proc = subprocess.run([sys.executable, "-m", "eyas", "demo", "--quick", "--target", target, "--samples", "16",
+                           "--eval-prompts", "2", "--parallel", parallel, "--runs-dir", str(tmp_path), "--name", "r"],
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    run = tmp_path / "r"
+    assert json.loads((run / "store" / "manifest.json").read_text())["layer_ids"] == [2, 4, 5]
+    audit = json.loads((run / "train" / "audit.json").read_text())
+    assert audit["disjoint"] and audit["covers"] and audit["world_size"] == 2
+    results = json.loads((run / "evaluate" / "results.json").read_text())
+    checked = [c["lossless"] for c in results["configs"] if c["lossless"]["checked"]]
+    assert checked and all(x["lossless"] for x in checked)  # every output the target's own greedy one
+    exported = json.loads((run / "export" / "eagle3" / "config.json").read_text())
+    arch = {"tiny-qwen3-moe": "Qwen3MoeForCausalLM", "tiny-deepseek-v3": "DeepseekV3ForCausalLM"}[target]
+    assert exported["eyas"]["draft"]["target"]["architecture"] == arch
+    assert (exported["hidden_size"], exported["target_hidden_size"], exported["vocab_size"]) == (64, 64, 49152)
+    assert exported["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # vLLM: the input of layer i
+    assert exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # SGLang: layer i's output
+    heads, kv, dim = (exported[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim"))
+    assert heads * dim == 64 and (target != "tiny-deepseek-v3" or dim == 16)  # MLA: v_head_dim heads
+
+
+@needs_shared_data
 def test_second_run_skips_cached_stages(quick_run):
     run_dir, _ = quick_run
     proc = subprocess.run([sys.executable, "-m", "eyas", "demo", "--quick", "--runs-dir", str(run_dir.parent)],

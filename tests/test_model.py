@@ -4,9 +4,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from eyas.draft.attention import chain_attention
 from eyas.draft.checkpoint import read_draft, save_draft
 from eyas.draft.model import DraftConfig, Eagle3Draft
-from eyas.draft.ttt import base_mask, chain_attention, shift_left, target_log_probs, ttt_forward
+from eyas.draft.ttt import shift_left, target_log_probs, ttt_forward
 from eyas.draft.vocab import build_draft_vocab, count_tokens
 
 V, H = 50, 16
@@ -81,8 +82,7 @@ def test_chain_attention_mask_matches_explicit_inference_mask():
     q = torch.randn(B, nh, T, d)
     ks = [torch.randn(B, nkv, T, d) for _ in range(3)]
     vs = [torch.randn(B, nkv, T, d) for _ in range(3)]
-    mask0 = base_mask(torch.zeros(B, T, dtype=torch.long))
-    got = chain_attention(q, ks, vs, mask0)
+    got = chain_attention(q, ks, vs, torch.zeros(B, T, dtype=torch.long))
     K = torch.cat(ks, 2).repeat_interleave(2, 1)
     Vv = torch.cat(vs, 2).repeat_interleave(2, 1)
     eye = torch.eye(T, dtype=torch.bool)

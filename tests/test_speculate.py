@@ -416,3 +416,37 @@ def test_decode_time_chain_equals_training_time_predictions(tiny_target, runner_
         assert int(r.count[i]) == 1 and int(r.correct[i]) == 1, f"step {i}: training's top-1 is not chain[{i}]"
         # and the same distribution: training's loss against a one-hot target is decode time's -log q(chain[i])
         torch.testing.assert_close(r.loss_sum[i], -seen[i][d_ids[chain[i]]], rtol=1e-4, atol=1e-4)
+
+
+def test_a_chain_waits_for_the_device_once_a_proposal_whatever_its_length(tiny_target, monkeypatch):
+    """A chain's tokens stay on the device until all k are drafted: no value is read back per step (int(argmax)
+    would wait for a GPU k times a round), and the timing syncs bracket the whole proposal."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import eyas.speculate.drafters as drafters
+
+    class Reads(TorchDispatchMode):  # ops that copy a device value to the host (item, int, bool, nonzero)
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default):
+                Reads.n += 1
+            return func(*args, **(kwargs or {}))
+
+    syncs = []
+    monkeypatch.setattr(drafters, "sync", lambda dev: syncs.append(dev))
+    runner = LeanRunner(tiny_target, tiny_target.default_feature_layers())
+    prompt = random_prompts(16)[2]
+    counts = {}
+    for k in (2, 6):
+        logits, feats = runner.prefill(torch.tensor(prompt))
+        seq = prompt + [int(logits[-1].argmax())]
+        drafter = Eagle3Drafter(trained_draft(tiny_target), k=k)
+        drafter.start(seq, feats)
+        syncs.clear()
+        Reads.n = 0
+        with Reads():
+            prop = drafter.propose(seq, 0.0, None, None)
+        assert len(prop) == k
+        counts[k] = (len(syncs), Reads.n)
+    assert counts[2] == counts[6] and counts[6][0] == 2 and counts[6][1] == 0, counts

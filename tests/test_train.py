@@ -313,10 +313,11 @@ def test_online_mode_matches_the_store(tiny_target, store, tmp_path):
 
 
 def test_fused_soft_cross_entropy_equals_the_plain_formula():
-    """eyas.draft.ttt.soft_cross_entropy (used by ttt_forward) against -sum p log softmax(z), values and gradients."""
+    """eyas.draft.cross_entropy.soft_cross_entropy (used by ttt_forward) against -sum p log softmax(z), values and
+    gradients."""
     import torch.nn.functional as F
 
-    from eyas.draft.ttt import soft_cross_entropy
+    from eyas.draft.cross_entropy import soft_cross_entropy
 
     g = torch.Generator().manual_seed(0)
     h = torch.randn(37, 16, generator=g, requires_grad=True)  # 37 rows: not a multiple of the chunk

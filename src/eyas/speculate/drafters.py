@@ -104,20 +104,27 @@ class Eagle3Drafter(Drafter):
         self.cache = None  # the KVCache of the committed positions (length done)
         self.done = 0  # positions the committed cache holds
         self.pending = [] if feats is None else [feats]  # target features not yet fed to the draft
-        self.ready = self._catch_up(seq) if feats is not None else None  # the draft's prefill, timed with the prompt
+        # the draft's prefill, timed with the prompt
+        self.ready = self._timed(self._catch_up, seq) if feats is not None else None
 
     def update(self, seq, feats) -> None:
         self.pending.append(feats)
         self.ready = None
 
-    def _forward(self, ids, hidden, positions, cache, mask=None, last_only=False):
-        """Draft pass + head: ids [1,T], hidden [1,T,3Ht|H], positions [1,T] -> (h [1,T,H], logits [T|1,Vd], cache)."""
+    def _timed(self, fn, *args):
+        """fn(*args), its wall time added to forward_time: the device is waited on once before and once after a
+        whole proposal, not around each of its forwards, so a GPU runs a chain's steps back to back."""
         sync(self.device)
         t0 = time.perf_counter()
-        h, cache = self.draft(ids, hidden, positions, cache, mask)
-        logits = self.draft.logits(h[0, -1:] if last_only else h[0])
+        out = fn(*args)
         sync(self.device)
         self.forward_time += time.perf_counter() - t0
+        return out
+
+    def _forward(self, ids, hidden, positions, cache, mask=None, last_only=False):
+        """Draft pass + head: ids [1,T], hidden [1,T,3Ht|H], positions [1,T] -> (h [1,T,H], logits [T|1,Vd], cache)."""
+        h, cache = self.draft(ids, hidden, positions, cache, mask)
+        logits = self.draft.logits(h[0, -1:] if last_only else h[0])
         self.forward_calls += 1
         return h, logits, cache
 
@@ -137,6 +144,9 @@ class Eagle3Drafter(Drafter):
         k = self.k if budget is None else min(budget, self.k)
         if k <= 0:
             return Proposal.empty()
+        return self._timed(self._propose, seq, temperature, gen, k)
+
+    def _propose(self, seq, temperature, gen, k) -> Proposal:
         h, logits = self.ready if self.ready is not None else self._catch_up(seq)
         self.ready = None
         if self.tree:
@@ -144,21 +154,23 @@ class Eagle3Drafter(Drafter):
         return self._chain(h, logits, k, temperature, gen)
 
     def _chain(self, h, logits, k, temperature, gen) -> Proposal:
+        # Every token stays on the device until the chain is complete: one read of all k at the end, where reading
+        # each (int(argmax)) would wait for the device k times a round.
         cache, pos = self.cache, self.done - 1  # the catch-up's last position m-1 predicted token m+1
+        positions = torch.arange(pos + 1, pos + k, device=self.device)  # [k-1] the chain's later positions
         drafted, qs = [], []
         for i in range(k):
             if temperature <= 0:
-                d = int(logits.argmax())
+                d = logits.argmax()
             else:  # sample from q = softmax(logits / T), kept on the target vocabulary for the acceptance rule
                 probs = torch.softmax(logits.float() / temperature, -1)
-                d = int(torch.multinomial(probs, 1, generator=gen))
+                d = torch.multinomial(probs, 1, generator=gen)[0]
                 qs.append(torch.zeros(self.vocab, device=probs.device).index_copy_(0, self.target_ids, probs))
-            drafted.append(int(self.target_ids[d]))
+            drafted.append(self.target_ids[d.view(1)])  # [1] on the device (a 0-d index would be read back)
             if i + 1 < k:
-                ids = torch.tensor([[drafted[-1]]], device=self.device)
-                h, lg, cache = self._forward(ids, h, torch.tensor([[pos + 1 + i]], device=self.device), cache)
+                h, lg, cache = self._forward(drafted[-1].view(1, 1), h, positions[i:i + 1].view(1, 1), cache)
                 logits = lg[0]
-        return Proposal.chain(drafted, torch.stack(qs) if qs else None)
+        return Proposal.chain(torch.cat(drafted).tolist(), torch.stack(qs) if qs else None)
 
     def _tree(self, h_root, logp_root) -> Proposal:
         """EAGLE-2 dynamic tree: expand the top-k nodes of each depth by cumulative log-probability, then keep the

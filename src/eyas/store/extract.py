@@ -38,7 +38,9 @@ from eyas.core.log import console, fmt_bytes, fmt_duration, fmt_int
 from eyas.core.memory import tune_allocator
 from eyas.core.target import DEFAULT_TARGET, load_target
 from eyas.core.threads import Threads
+from eyas.core.weights import load_target_shell, read_module
 from eyas.data.prepared import open_prepared
+from eyas.store.engine import VllmEngine, check_engine_python, engine_command, vllm_layer_ids
 from eyas.store.layout import SHARD_DIR, bytes_per_token, shard_name
 from eyas.store.shards import shard_index
 from eyas.store.writer import ShardBuilder, check_coverage, write_manifest
@@ -46,6 +48,8 @@ from eyas.store.writer import ShardBuilder, check_coverage, write_manifest
 SUMMARY_FILE = "summary.json"  # what the last run of extract did (rank 0 writes it when all is merged)
 SETTINGS_FILE = "extract.json"  # what a store was started with; a restart must match it
 HEADER_BYTES = 64 * 1024  # allowance per shard for its safetensors header (its own index)
+ENGINE_DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}  # --dtype as vLLM takes it
+ENGINE_DIR = ".engine"  # STORE/.engine/rank-R/: the files of the engine eyas started, while they are read
 NO_SPACE_FIX = ("free space on that disk (or raise the limit) and rerun the same command: it keeps the finished "
                 "shards and writes only the missing ones")
 
@@ -67,6 +71,15 @@ class ExtractConfig(StageConfig):
     device: str = opt("auto", "cpu, cuda, cuda:N or auto (cuda:LOCAL_RANK when CUDA is present)")
     threads: int = opt(0, "CPU threads per rank (0: the cores other work leaves free, shared by this node's ranks, "
                           "re-checked as it runs; an explicit OMP_NUM_THREADS also wins)")
+    engine: Literal["local", "vllm"] = opt("local", "local: hooks on the target loaded here; vllm: a vLLM server runs "
+                                           "the target (one per rank; docs/extract.md)")
+    engine_url: str = opt("", "vllm: attach to servers already running (comma-separated; rank r uses the r-th "
+                              "modulo their number) instead of starting one")
+    engine_python: str = opt("", "vllm: the python of vLLM's own environment, to start the server with")
+    engine_args: str = opt("", "vllm: more server arguments, passed through (e.g. '--tensor-parallel-size 8')")
+    engine_port: int = opt(8200, "vllm: the port of the server eyas starts (rank r on this node: port + r)")
+    engine_startup_s: float = opt(1800.0, "vllm: how long the server may take to start")
+    concurrency: int = opt(8, "vllm: samples in flight per engine (and at most this many engine files on disk)")
     dry_run: bool = opt(False, "print the plan and exit without writing anything")
 
     def __post_init__(self):
@@ -80,6 +93,10 @@ class ExtractConfig(StageConfig):
         check(self.batch_tokens >= 1, f"--batch-tokens {self.batch_tokens} must be >= 1", "use e.g. 8192")
         check(self.shard_mb > 0, f"--shard-mb {self.shard_mb} must be positive", "use e.g. 512")
         check(self.limit >= 0, f"--limit {self.limit} is negative", "use 0 for all samples")
+        check(self.engine == "local" or bool(self.engine_url or self.engine_python),
+              "--engine vllm needs a server: --engine-python (eyas starts it) or --engine-url (one running)",
+              "pass --engine-python VENV/bin/python of vLLM's environment, or --engine-url http://HOST:PORT")
+        check(self.concurrency >= 1, f"--concurrency {self.concurrency} must be >= 1", "use e.g. 8")
 
 
 # ---------------------------------------------------------------- the plan (pure functions)
@@ -241,10 +258,10 @@ def _run(cfg: ExtractConfig, env, con, target, cpu: Threads) -> dict:
     if n == 0:
         raise EyasError(f"{cfg.data} [{cfg.split}] has no samples", fix="prepare some data first")
     lengths = [int(x) for x in ds.select_columns(["num_tokens"])[:n]["num_tokens"]]
-    if target is None:
-
-        target = load_target(cfg.target, dtype=cfg.dtype, device=env.device)
-    if cfg.attn != "auto":
+    if target is None:  # an engine runs the target elsewhere: here only its config and final norm
+        target = (load_target_shell(cfg.target) if cfg.engine == "vllm"
+                  else load_target(cfg.target, dtype=cfg.dtype, device=env.device))
+    if cfg.attn != "auto" and cfg.engine == "local":
         target.model.set_attn_implementation(cfg.attn)
     layer_ids = list(cfg.layers) or target.default_feature_layers()
     check_layers(layer_ids, target.num_layers)
@@ -253,7 +270,9 @@ def _run(cfg: ExtractConfig, env, con, target, cpu: Threads) -> dict:
     shards = plan_shards(lengths, bpt, int(cfg.shard_mb * 2**20))
     header = _store_header(cfg, target, layer_ids, fingerprint, n)
     settings = {"header": header, "shard_mb": cfg.shard_mb, "batch_tokens": cfg.batch_tokens,
-                "attention": target.model.config._attn_implementation}
+                "attention": "vllm" if cfg.engine == "vllm" else target.model.config._attn_implementation}
+    if cfg.engine != "local":  # a store is extracted by one engine: never states of two mixed
+        settings["engine"] = cfg.engine
     plan = _agree(env, lambda: _prepare_store(cfg, con, env, target, shards, lengths, settings, bpt))
     if cfg.dry_run:
         return plan
@@ -278,9 +297,16 @@ def _store_header(cfg: ExtractConfig, target, layer_ids: list[int], fingerprint,
     """What the manifest says about the store (docs/store.md): no time, no rank count, so reruns agree."""
     return {"source": "eyas extract", "target": target.identity(), "layer_ids": layer_ids,
             "hidden_size": target.hidden_size, "dtype": "float8_e4m3fn" if cfg.compact else "bfloat16",
-            "compact": cfg.compact, "forward_dtype": str(target.dtype).removeprefix("torch."),
+            "compact": cfg.compact, "forward_dtype": forward_dtype(cfg, target),
             "dataset": {"path": str(Path(cfg.data).resolve()), "split": cfg.split, "fingerprint": fingerprint,
                         "samples": n}}
+
+
+def forward_dtype(cfg: ExtractConfig, target) -> str:
+    """The dtype the target runs in: the loaded model's, or the one the engine is started with."""
+    if cfg.engine == "vllm":
+        return ENGINE_DTYPES[cfg.dtype]
+    return str(target.dtype).removeprefix("torch.")
 
 
 def _on_every_rank(env, fn: Callable[[], dict]) -> dict:
@@ -349,9 +375,12 @@ def _prepare_store(cfg, con, env, target, shards, lengths, settings, bpt) -> dic
     done = _completed(store, shards, range(len(shards)))
     shard_bytes = [sum(lengths[r] for r in s) * bpt + HEADER_BYTES for s in shards]
     todo_bytes = sum(b for k, b in enumerate(shard_bytes) if k not in done)
+    if cfg.engine == "vllm":  # the engine's files in flight: [T, 4, H] per sample, `concurrency` per rank at most
+        width = torch.empty((), dtype=getattr(torch, ENGINE_DTYPES[cfg.dtype])).element_size()
+        todo_bytes += env.world_size * cfg.concurrency * max(lengths) * 4 * target.hidden_size * width
     plan = {"target": target.name, "num_layers": target.num_layers, "hidden": target.hidden_size,
             "layers": settings["header"]["layer_ids"], "dtype": settings["header"]["forward_dtype"],
-            "device": env.device, "data": cfg.data, "split": cfg.split,
+            "device": "a vLLM engine" if cfg.engine == "vllm" else env.device, "data": cfg.data, "split": cfg.split,
             "fingerprint": settings["header"]["dataset"]["fingerprint"], "samples": len(lengths),
             "tokens": sum(lengths), "shards": len(shards), "done_shards": len(done),
             "done_samples": sum(len(d["rows"]) for d in done.values()), "bpt": bpt,
@@ -385,7 +414,9 @@ def _extract_mine(cfg, env, con, target, ds, shards, layer_ids, lengths, cpu: Th
     bar = con.progress(total=sum(lengths[r] for k in todo for r in shards[k]), desc=desc, unit="tok", unit_scale=True)
     writer, indexes = Writer(), dict(done)
     try:
-        tokens = _run_shards(cfg, target, ds, shards, todo, layer_ids, lengths, writer, indexes, bar, where, cpu)
+        with feature_source(cfg, env, con, target, layer_ids, bool(todo)) as features:
+            tokens = _run_shards(cfg, target.hidden_size, ds, shards, todo, lengths, features, writer, indexes, bar,
+                                 where, cpu)
     except BaseException:
         with contextlib.suppress(BaseException):  # the first error is the one to report
             writer.close()  # finishes what is queued (a shard is only committed once all of it was queued)
@@ -397,29 +428,80 @@ def _extract_mine(cfg, env, con, target, ds, shards, layer_ids, lengths, cpu: Th
     return {"tokens": tokens, "samples": total}
 
 
-def _run_shards(cfg, target, ds, shards, todo, layer_ids, lengths, writer, indexes, bar, where, cpu) -> int:
-    """The forward loop: batches of each unfinished shard through the target, their states to the writer; the
-    free cores re-checked now and then (eyas.core.threads)."""
+def _run_shards(cfg, hidden, ds, shards, todo, lengths, features, writer, indexes, bar, where, cpu) -> int:
+    """The forward loop: batches of each unfinished shard through `features` (the target here, or an engine),
+    their states to the writer; the free cores re-checked now and then (eyas.core.threads)."""
     store, total, samples, tokens = Path(cfg.store), sum(len(shards[k]) for k in todo), 0, 0
-    bpt = bytes_per_token(target.hidden_size, cfg.compact)
-    with Capture(target, layer_ids) as cap:
-        for k in todo:
-            rows = shards[k]
-            builder = ShardBuilder(shard_name(k), sum(lengths[r] for r in rows), target.hidden_size, cfg.compact)
-            for batch in plan_batches([lengths[r] for r in rows], cfg.batch_tokens):
-                brows = [rows[p] for p in batch]
-                ids, toks, masks = fetch_rows(ds, brows, where)
-                feats = forward_batch(target, cap, toks)
-                writer.put(_add_job(builder, brows, ids, toks, masks, feats))
-                n_tok = sum(len(t) for t in toks)
-                samples, tokens = samples + len(toks), tokens + n_tok
-                bar.set_postfix_str(f"{fmt_int(samples)}/{fmt_int(total)} samples, {fmt_bytes(tokens * bpt)} "
-                                    f"written ({fmt_bytes(writer.bytes)} in finished shards)", refresh=False)
-                bar.update(n_tok)
-                if changed := cpu.recheck():
-                    bar.write(changed)
-            writer.put(_commit_job(builder, store / SHARD_DIR, indexes, k, writer))
+    bpt = bytes_per_token(hidden, cfg.compact)
+    for k in todo:
+        rows = shards[k]
+        builder = ShardBuilder(shard_name(k), sum(lengths[r] for r in rows), hidden, cfg.compact)
+        for batch in plan_batches([lengths[r] for r in rows], cfg.batch_tokens):
+            brows = [rows[p] for p in batch]
+            ids, toks, masks = fetch_rows(ds, brows, where)
+            feats = features(toks)
+            writer.put(_add_job(builder, brows, ids, toks, masks, feats))
+            n_tok = sum(len(t) for t in toks)
+            samples, tokens = samples + len(toks), tokens + n_tok
+            bar.set_postfix_str(f"{fmt_int(samples)}/{fmt_int(total)} samples, {fmt_bytes(tokens * bpt)} "
+                                f"written ({fmt_bytes(writer.bytes)} in finished shards)", refresh=False)
+            bar.update(n_tok)
+            if changed := cpu.recheck():
+                bar.write(changed)
+        writer.put(_commit_job(builder, store / SHARD_DIR, indexes, k, writer))
     return tokens
+
+
+@contextlib.contextmanager
+def feature_source(cfg, env, con, target, layer_ids: list[int], needed: bool):
+    """features(toks) -> [aux0, aux1, aux2, final], each indexable by sample ([B, T, H] or a list of [T, H]):
+    hooks on the local target, or this rank's vLLM engine (started only when there is work)."""
+    if cfg.engine == "local":
+        with Capture(target, layer_ids) as cap:
+            yield lambda toks: forward_batch(target, cap, toks)
+        return
+    if not needed:
+        yield None
+        return
+    norm = read_module(target, target.final_norm()).to(getattr(torch, ENGINE_DTYPES[cfg.dtype]))
+    engine = open_engine(cfg, env, con, target, layer_ids)
+    try:
+        yield lambda toks: engine_features(engine, norm, toks, cfg.concurrency)
+    finally:
+        engine.close()
+
+
+def open_engine(cfg, env, con, target, layer_ids: list[int]) -> VllmEngine:
+    """Attach to this rank's server (--engine-url), or start one whose files go to STORE/.engine/rank-R/."""
+    ids = vllm_layer_ids(layer_ids, target.num_layers)
+    if cfg.engine_url:
+        urls = [u.strip() for u in cfg.engine_url.split(",") if u.strip()]
+        con.print(f"engine: attached to {urls[env.rank % len(urls)]} (rank {env.rank})")
+        return VllmEngine(urls[env.rank % len(urls)], None)
+    version = check_engine_python(cfg.engine_python)
+    tmp = Path(cfg.store) / ENGINE_DIR / f"rank-{env.rank:05d}"
+    for leftover in (*tmp.glob("*.safetensors"), *tmp.glob("*.safetensors.lock")):  # a killed run's, never read
+        leftover.unlink(missing_ok=True)
+    log = Path(cfg.store) / "logs" / f"engine-rank-{env.rank:05d}.log"
+    model = target.hub[0] if target.hub else target.source
+    extra = f"--dtype {ENGINE_DTYPES[cfg.dtype]} {cfg.engine_args}"
+    port = cfg.engine_port + env.local_rank
+    con.print(f"engine: starting vLLM {version} on port {port} (log {log}); by hand: "
+              f"{engine_command(cfg.engine_python, model, ids, tmp, port, extra)}")
+    return VllmEngine.start(cfg.engine_python, model, ids, tmp, log, port, extra, cfg.engine_startup_s)
+
+
+def engine_features(engine: VllmEngine, norm, toks: list[torch.Tensor], concurrency: int) -> list[list[torch.Tensor]]:
+    """The engine's [T, 4, H] states of each sample as [aux0, aux1, aux2, final] lists; the final state through
+    the target's own norm (the engine's is before it, the store's after it, as HF's hidden_states[L])."""
+    states = engine.many([t.tolist() for t in toks], concurrency)
+    out: list[list[torch.Tensor]] = [[], [], [], []]
+    with torch.inference_mode():
+        for s in states:
+            for j in range(3):
+                out[j].append(s[:, j])
+            out[3].append(norm(s[:, 3].to(norm.weight.dtype)))
+    return out
 
 
 def _add_job(builder, rows, ids, toks, masks, feats):

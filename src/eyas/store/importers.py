@@ -25,22 +25,13 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 
 from eyas.core.config import StageConfig, check, opt
 from eyas.core.errors import EyasError
-from eyas.core.files import read_json
 from eyas.core.log import console, fmt_bytes, fmt_duration, fmt_int
-from eyas.core.paths import inside
-from eyas.core.target import (
-    DEFAULT_TARGET,
-    Target,
-    default_feature_layers,
-    load_target,
-    refusing_code,
-    resolve_source,
-)
+from eyas.core.target import DEFAULT_TARGET, default_feature_layers
+from eyas.core.weights import load_target_shell, read_module
 from eyas.data.prepared import open_prepared
 from eyas.store.layout import SHARD_DIR, bytes_per_token, shard_name
 from eyas.store.writer import ShardBuilder, check_coverage, write_manifest
@@ -153,37 +144,12 @@ def read_specforge(path: Path) -> Foreign:
 def target_parts(spec: str, need_norm: bool):
     """(identity, num_layers, hidden size, final norm module or None) without loading the weights.
 
-    Imports exist for targets too large to load: the config is built on the meta device, and only the final
-    norm's weight is read from the checkpoint when vLLM's pre-norm last layer needs it.
+    Imports exist for targets too large to load: the model is built on the meta device, and only the final
+    norm's weight is read from the checkpoint when vLLM's pre-norm last layer needs it (eyas.core.weights).
     """
-
-    if spec == "tiny":  # built in code from a seed: small, load it
-        t = load_target("tiny")
-        return t.identity(), t.num_layers, t.hidden_size, t.final_norm() if need_norm else None
-    from transformers import AutoConfig, AutoModelForCausalLM  # heavy (seconds to import): loaded only where a model is
-
-    name, folder = resolve_source(spec)
-    with torch.device("meta"), refusing_code(folder):  # never the folder's own code (nor a prompt to run it)
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, trust_remote_code=False))
-    t = Target(name=name, model=model, tokenizer=None, source=str(folder))
-    norm = _load_module(t.final_norm(), model, folder) if need_norm else None
+    t = load_target_shell(spec)
+    norm = read_module(t, t.final_norm()) if need_norm else None
     return t.identity(), t.num_layers, t.hidden_size, norm
-
-
-def _load_module(module: torch.nn.Module, model: torch.nn.Module, folder: Path) -> torch.nn.Module:
-    prefix = next(n for n, m in model.named_modules() if m is module) + "."
-    index = folder / "model.safetensors.index.json"
-    keys = {prefix + k for k in module.state_dict()}
-
-    files = ({read_json(index, "download the model again")["weight_map"][k] for k in keys} if index.is_file()
-             else {"model.safetensors"})
-    state = {}
-    for fname in files:
-        with safe_open(str(inside(folder, fname, index)), "pt") as f:
-            state.update({k[len(prefix):]: f.get_tensor(k) for k in keys if k in f.keys()})  # noqa: SIM118 - a safe_open handle, not a dict
-    module = module.to_empty(device="cpu")
-    module.load_state_dict(state)
-    return module
 
 
 # ---------------------------------------------------------------- the run

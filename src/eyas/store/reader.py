@@ -321,6 +321,16 @@ class StoreReader:
         aux, final = features(rows)
         return StoreSample(s["id"], rows["input_ids"].long(), rows["loss_mask"], aux, final)
 
+    def token_ids(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sample i's input_ids [L] int32 and loss_mask [L] int8 alone, as views of the mapped shard: the hidden
+        states are not read. Not checked: a sample's checksum covers all its rows, and training checks it when it
+        reads them (this serves statistics over token ids, such as the draft vocabulary)."""
+        with self._lock:
+            s, sh = self._locate(i)
+            t = sh.tensors()
+        sl = slice(s["offset"], s["offset"] + s["length"])
+        return t["input_ids"][sl].numpy(), t["loss_mask"][sl].numpy()
+
     @property
     def row_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """{stored tensor: (dtype, shape of one token's row)}: the buffers `read_into` fills."""

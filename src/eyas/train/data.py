@@ -27,6 +27,7 @@ import torch
 
 from eyas.core.errors import EyasError
 from eyas.data.prepared import open_prepared
+from eyas.draft.cross_entropy import TargetRows
 from eyas.draft.ttt import shift_left
 from eyas.store.extract import Capture
 from eyas.store.layout import features
@@ -91,6 +92,10 @@ class PreparedSource:
         return Sample(self.ids[int(i)], torch.from_numpy(row["input_ids"].astype(np.int64)),
                       torch.from_numpy(row["loss_mask"].astype(np.int64)))
 
+    def token_ids(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        row = self.ds[int(i)]
+        return row["input_ids"], row["loss_mask"]
+
     def check_target(self, identity: dict) -> None:
         """Features come from the target itself; the prepared tokens only need the target's vocabulary."""
         mine = self.identity.get("vocab_size")
@@ -120,6 +125,9 @@ class Subset:
 
     def read_into(self, i: int, out: dict, at: int = 0) -> int:
         return self.source.read_into(int(self.indices[i]), out, at)
+
+    def token_ids(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.source.token_ids(int(self.indices[i]))
 
     def check_target(self, identity: dict) -> None:
         self.source.check_target(identity)
@@ -305,13 +313,13 @@ def needed_rows(valid: torch.Tensor) -> torch.Tensor:
 
 
 def sparse_target_logp(final: torch.Tensor, head_rows: torch.Tensor, need: torch.Tensor):
-    """final [B,T,H], head_rows [Vd,H], need [B,T] -> (log p over the draft vocabulary [M,Vd] float32 for the M
-    needed positions only, index [B,T] of each position's row, -1 elsewhere): ttt_forward's compact targets.
-    The full-vocabulary logits are never formed, nor a [B,T,Vd] tensor."""
+    """final [B,T,H], head_rows [Vd,H], need [B,T] -> (TargetRows(final rows [M,H] of the M needed positions,
+    head_rows), index [B,T] of each position's row, -1 elsewhere): ttt_forward's compact targets. Their log-probs
+    over the draft vocabulary are formed a block of rows at a time inside the cross-entropy
+    (eyas.draft.cross_entropy), so neither the [M,Vd] table nor the full-vocabulary logits are ever formed."""
     index = torch.cumsum(need.reshape(-1), 0).reshape(need.shape) - 1
     index = index.masked_fill(~need, -1)
-    rows = final[need].to(head_rows.dtype)  # [M,H]
-    return torch.log_softmax((rows @ head_rows.T).float(), dim=-1), index
+    return TargetRows(final[need].to(head_rows.dtype), head_rows), index  # [M,H]
 
 
 # -- online: features from the target in the loop ------------------------------------------------------------------

@@ -36,15 +36,17 @@ from eyas.train.data import needed_rows, sparse_target_logp, valid_masks
 
 class TTTObjective(nn.Module):
     """forward(batch tensors) = ttt_forward(draft, ...) as a tuple (loss_sum [k], correct [k], count [k]);
-    target_logp [M,Vd] with target_index [B,T] are the compact targets of eyas.train.data.sparse_target_logp."""
+    target_logp (TargetRows [M,...]) with target_index [B,T] are the compact targets of
+    eyas.train.data.sparse_target_logp; step_scale [k], the weights the loss sums will get (optional: the output
+    head's weight gradient is then made in the forward pass alone)."""
 
     def __init__(self, draft: Eagle3Draft, steps: int):
         super().__init__()
         self.draft, self.steps = draft, steps
 
-    def forward(self, input_ids, aux, target_logp, target_index, loss_mask, position_ids, doc_ids):
+    def forward(self, input_ids, aux, target_logp, target_index, loss_mask, position_ids, doc_ids, step_scale=None):
         r = ttt_forward(self.draft, input_ids, aux, target_logp, loss_mask, self.steps, position_ids, doc_ids,
-                        target_index)
+                        target_index, step_scale)
         return r.loss_sum, r.correct, r.count
 
 

@@ -164,8 +164,9 @@ def target_dims(spec: str) -> tuple[int, int]:
         get = r.get if isinstance(r, dict) else (lambda k: getattr(r, k, None))
         if get("hidden_size"):
             return int(get("hidden_size")), int(get("num_layers") or 0)
-    if spec == "tiny":
-        return target.TINY_CONFIG["hidden_size"], target.TINY_CONFIG["num_hidden_layers"]
+    if spec in target.TINY:
+        fields = target.TINY[spec][1]
+        return fields["hidden_size"], fields["num_hidden_layers"]
     path = Path(spec).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         cfg = read_json(path / "config.json", "give a model folder whose config.json is intact")

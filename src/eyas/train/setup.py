@@ -5,9 +5,10 @@
 2. the resume point (rank 0 picks the newest complete checkpoint; every rank loads it), refused under a different
    world size or changed settings (eyas.draft.checkpoint.check_resumable);
 3. the data: the store (or the prepared dataset with --online) and the validation source;
-4. the target: its identity must equal the store's; its embeddings and output-head rows are taken, then (offline)
-   it is freed;
-5. the draft vocabulary: rank 0 counts the loss-masked training tokens, everyone receives the map;
+4. the target: its identity must equal the store's. Offline, only its config, embeddings and output head are read
+   (eyas.core.weights: no decoder layer, whatever the target's size); online, the whole target is loaded;
+5. the draft vocabulary: the ranks count the loss-masked training token ids between them (no hidden state is
+   read) and sum the counts;
 6. the draft, wrapped for DDP/FSDP2, its optimizer (restored on resume);
 7. the plan block (eyas.train.plan.compute_plan, checked against the sampler's own counts) and the metrics writer.
 """
@@ -31,6 +32,7 @@ from eyas.core.log import fmt_int
 from eyas.core.memory import tune_allocator
 from eyas.core.target import Target, load_target
 from eyas.core.threads import Threads
+from eyas.core.weights import load_target_shell, read_module
 from eyas.draft.checkpoint import (
     check_resumable,
     latest_checkpoint,
@@ -224,9 +226,10 @@ def store_layers(src) -> list[int] | None:
 
 def load_checked_target(cfg, env, dtype: str, srcs) -> tuple[Target, list[int]]:
     """The target, refused unless the sources were extracted from it, and the feature layer ids."""
-    online_bf16 = cfg.online and dtype == "bf16"
-    target = load_target(cfg.target, device=env.device if cfg.online else "cpu",
-                         dtype="bfloat16" if online_bf16 else "float32")
+    if cfg.online:  # the target computes the features: all of it, on the device
+        target = load_target(cfg.target, device=env.device, dtype="bfloat16" if dtype == "bf16" else "float32")
+    else:  # only its identity, shape, embeddings and output head: no decoder layer is read (eyas.core.weights)
+        target = load_target_shell(cfg.target)
     for src in srcs:
         if src is not None:
             src.check_target(target.identity())
@@ -236,34 +239,31 @@ def load_checked_target(cfg, env, dtype: str, srcs) -> tuple[Target, list[int]]:
 
 
 def draft_vocab(cfg, env, target, train_src, ckpt: ResumePoint | None) -> tuple[dict, torch.Tensor]:
-    """(vocabulary figures, d2t [Vd]): the checkpoint's, or rank 0 counts the loss-masked training tokens and
-    picks the top K; every rank gets the same map."""
+    """(vocabulary figures, d2t [Vd]): the checkpoint's, or the top K of the loss-masked training tokens. Each
+    rank counts the token ids (never the hidden states) of every world_size-th sample, the counts are summed
+    over ranks, and every rank picks the same K from the same sums."""
     if ckpt:
         info = {k: v for k, v in ckpt.state["vocab"].items() if k != "d2t"}
         return info, ckpt.model_state["d2t"]
-    payload = None
-    if env.is_main:
-        pairs = ((train_src[i].input_ids.numpy(), train_src[i].loss_mask.numpy()) for i in range(len(train_src)))
-        v = build_draft_vocab(count_tokens(pairs, target.vocab_size), min(cfg.draft_vocab, target.vocab_size))
-        payload = {"d2t": v.d2t.tolist(), "coverage": v.coverage, "distinct_seen": v.distinct_seen, "size": v.size}
-    payload = dist.all_gather_objects(payload, env)[0]
-    d2t = torch.tensor(payload.pop("d2t"), dtype=torch.long)
-    return payload, d2t
+    mine = range(env.rank, len(train_src), env.world_size)
+    counts = dist.all_reduce_counts(count_tokens((train_src.token_ids(i) for i in mine), target.vocab_size), env)
+    v = build_draft_vocab(counts, min(cfg.draft_vocab, target.vocab_size))
+    return {"coverage": v.coverage, "distinct_seen": v.distinct_seen, "size": v.size}, v.d2t
 
 
 def build_draft(cfg, env, dtype: str, target, draft_cfg: DraftConfig, d2t: torch.Tensor,
                 ckpt: ResumePoint | None) -> tuple[Eagle3Draft, torch.Tensor]:
     """The draft on its device (initialised from the target, or the checkpoint's weights) and the frozen
     output-head rows [Vd, H] in the compute dtype."""
-    embed = target.embed_tokens().weight.detach().float().cpu()  # [V,H]
-    head = target.lm_head().weight.detach().float().cpu()  # [V,H]
+    embed = read_module(target, target.embed_tokens()).weight.detach()  # [V,H] as stored (bf16 in most checkpoints)
+    head = read_module(target, target.lm_head()).weight.detach()  # [V,H], the same tensor when tied
     draft = Eagle3Draft(draft_cfg)
     if ckpt:
         draft.load_state_dict(ckpt.model_state)
     else:
         draft.init_weights(embed, head, d2t, seed=cfg.seed)
     compute = torch.float32 if dtype == "fp32" else torch.bfloat16
-    head_rows = head[draft.target_ids()].to(env.device, compute)  # [Vd,H] frozen: the target's distribution
+    head_rows = head[draft.target_ids().to(head.device)].to(env.device, compute)  # [Vd,H] frozen: the target's p
     if cfg.freeze_head:
         draft.lm_head.weight.requires_grad_(False)
     return draft.to(env.device), head_rows

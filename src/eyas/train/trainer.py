@@ -148,6 +148,7 @@ class Trainer:
         self.val: dict | None = self.parts.validation  # the last validation figures
         self.audits: dict = self.parts.audits  # epoch -> sharding audit, as in RUN/audit.json
         self.tag = ""  # "[DUPLICATE DATA] " on every line once an audit failed under --allow-duplicate-data
+        self.t2d_host = self.parts.t2d.cpu()  # [V] the draft vocabulary on the host: counts without a device sync
         self.bar = None  # the progress bar while the loop runs
         self.last: StepStats | None = None  # the latest optimizer step's figures
         self.step_times: list[float] = []  # the first steps' seconds, for the measured rate
@@ -217,30 +218,36 @@ class Trainer:
         same gradient for the same global batch."""
         t0 = time.perf_counter()
         cfg, env, p, k = self.cfg, self.env, self.parts, self.cfg.ttt_steps
-        batches = [self.prepare(b) for b in window]
-        valid = [self.valid(b) for b in batches]  # [k,B,T] each
+        # The counted positions from the host's copy of the batch: the global counts are known before the first
+        # forward without waiting on the device. Then no value comes back until the step's end, where one
+        # transfer brings the loss sums and the gradient norm: the device queue stays full across micro-batches.
+        valid = [valid_masks(b.input_ids, b.loss_mask, b.doc_ids, self.t2d_host, k) for b in window]  # [k,B,T]
         local = torch.stack([v.sum((1, 2)) for v in valid]).sum(0).tolist()
-        totals = dist.all_reduce_sum(local + [sum(b.samples for b in batches), sum(b.tokens for b in batches)], env)
+        totals = dist.all_reduce_sum(local + [sum(b.samples for b in window), sum(b.tokens for b in window)], env)
+        batches = [self.prepare(b) for b in window]
+        valid = [v.to(env.device, non_blocking=True) for v in valid]
         counts = torch.tensor(totals[:k], dtype=torch.float32)
         scale = (p.weights / counts.clamp(min=1) * env.world_size).to(env.device)  # [k]
-        sums = torch.zeros(3, k, dtype=torch.float64)
+        sums = torch.zeros(3, k, dtype=torch.float64, device=env.device)
         for j, (b, v) in enumerate(zip(batches, valid)):
             with no_sync(p.model, j == len(batches) - 1):
                 with autocast(env.device, p.dtype):
                     with torch.no_grad():
-                        logp, index = sparse_target_logp(b.final, p.head_rows, needed_rows(v))  # [M,Vd], [B,T]
+                        logp, index = sparse_target_logp(b.final, p.head_rows, needed_rows(v))  # TargetRows, [B,T]
+                    # `scale`: each step's weight in the loss, so the head's gradient is finished in the forward
                     loss_sum, correct, count = p.model(b.input_ids, b.aux, logp, index, b.loss_mask,
-                                                       b.position_ids, b.doc_ids)
+                                                       b.position_ids, b.doc_ids, scale)
                     loss = (loss_sum.float() * scale).sum()
                 loss.backward()
-            sums += torch.stack([loss_sum.detach().double().cpu(), correct.double().cpu(), count.double().cpu()])
-        grad_norm = self.clip()
+            sums += torch.stack([loss_sum.detach().double(), correct.double(), count.double()])
+        norm = self.clip()
         lr = lr_at(self.progress.step, p.total_steps, p.warmup_steps, cfg.lr, cfg.min_lr_ratio)
         for group in p.optimizer.param_groups:
             group["lr"] = lr
         p.optimizer.step()
         p.optimizer.zero_grad(set_to_none=True)
-        red = dist.all_reduce_sum(sums.flatten().tolist(), env)
+        host = torch.cat((sums.flatten(), norm.reshape(1).double().to(env.device))).tolist()  # the one sync
+        red, grad_norm = dist.all_reduce_sum(host[:-1], env), host[-1]
         loss_i = [red[i] / max(1.0, totals[i]) for i in range(k)]
         acc_i = [red[k + i] / max(1.0, totals[i]) for i in range(k)]
         if [round(c) for c in red[2 * k:]] != [round(c) for c in totals[:k]]:
@@ -257,11 +264,12 @@ class Trainer:
             batch = capture_features(self.parts.target, self.parts.layer_ids, batch).to(self.env.device, feat)
         return batch
 
-    def clip(self) -> float:
+    def clip(self) -> torch.Tensor:
+        """The gradient norm before clipping, a 0-d tensor on the device (read with the step's sums)."""
         if not self.cfg.grad_clip:
-            return 0.0
+            return torch.zeros(())
         norm = torch.nn.utils.clip_grad_norm_(self.parts.params, self.cfg.grad_clip)
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     # -- logging -----------------------------------------------------------------------------------------------------
     def record(self, epoch: int, step_in_epoch: int, s: StepStats, bar) -> None:
@@ -357,9 +365,6 @@ class Trainer:
                     mask[rows] = 0
                     b = dataclasses.replace(b, loss_mask=mask)
                 yield b
-
-    def valid(self, b):
-        return valid_masks(b.input_ids, b.loss_mask, b.doc_ids, self.parts.t2d, self.cfg.ttt_steps)
 
     # -- sharding audit, checkpoints, the end ------------------------------------------------------------------------
     def audited_shard(self, epoch: int, first: bool):

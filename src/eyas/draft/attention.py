@@ -1,0 +1,139 @@
+"""The attention of training-time test (eyas.draft.ttt), in memory linear in the sequence length.
+
+At TTT step i the query at position t attends to
+    - the step-0 keys k_0[s] at s <= t of its document (doc_ids[s] == doc_ids[t], in index order), and
+    - its own chain: the step-j keys k_j[t] at the same position, j = 1..i (one score each, the "diagonal").
+
+Flash-style, in plain PyTorch (CPU and CUDA alike): the queries go in chunks of C rows; chunk [a, b) scores only
+the step-0 keys lo..b-1 (causal; lo = the first position of any document in the chunk, found once per call), its
+mask is built from doc_ids on the fly, and the softmax runs in float32 over [step-0 scores | diagonal scores].
+The forward keeps the output and the log-sum-exp of each row; the backward recomputes each chunk's probabilities
+from q, k, v and lse:
+
+    P = exp(S - lse)        dP = dO V^T        dS = P * (dP - rowsum(dO * O))
+    dQ = scale dS K         dK = scale dS^T Q  dV = P^T dO        (summed over the query heads of a kv head)
+
+Memory: one chunk's scores [B, nh, C, T] float32 (a few such temporaries) instead of [B, nh, T, T] and a
+[B, 1, T, T] mask; saved for backward: out, lse [B, nh, T], nothing quadratic. Grouped-query attention views q
+as [B, nkv, rep, T, d], so K and V are never repeated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Query rows per chunk. CPU: 32-64 rows were fastest at T = 1024 and 4096 (the chunk's scores stay in cache and the
+# causal skip saves more; 1024 rows took twice as long); GPUs want larger blocks to fill the device (not measured
+# here: 512 rows keep one chunk's float32 scores at 512 MiB for 32 heads at T = 8192).
+CHUNK = {"cpu": 64, "cuda": 512}
+
+
+def query_chunks(doc_ids: torch.Tensor, size: int) -> list[tuple[int, int, int]]:
+    """doc_ids [B,T] -> (a, b, lo) for the query rows a..b-1 of each chunk of `size` rows: lo is the first
+    position any of their documents starts at in any row, so keys before lo are masked for the whole chunk."""
+    B, T = doc_ids.shape
+    docs, inverse = torch.unique(doc_ids, return_inverse=True)  # inverse [B,T] in 0..U-1
+    where = torch.arange(T, device=doc_ids.device).expand(B, T)
+    first = torch.full((B, len(docs)), T, device=doc_ids.device).scatter_reduce(1, inverse, where, "amin")
+    start = first.gather(1, inverse)  # [B,T] first position of t's document
+    n = -(-T // size)
+    start = torch.nn.functional.pad(start, (0, n * size - T), value=T).view(B, n, size)
+    lows = start.amin((0, 2)).tolist()  # one host sync per call
+    return [(a, min(a + size, T), lo) for a, lo in zip(range(0, T, size), lows)]
+
+
+class ChainAttention(torch.autograd.Function):
+    """See the module docstring. forward(q [B,nh,T,d], doc_ids [B,T], chunks from query_chunks, n = i + 1,
+    k_0..k_i, v_0..v_i [B,nkv,T,d]) -> [B,nh,T,d] in q's dtype; every product in float32."""
+
+    @staticmethod
+    def forward(ctx, q, doc_ids, chunks, n, *kv):
+        B, nh, T, d = q.shape
+        with torch.autocast(q.device.type, enabled=False):
+            q5, keys, values = _float(q, kv, n)
+            out = torch.empty_like(q5)  # [B,nkv,rep,T,d]
+            lse = q5.new_empty(q5.shape[:-1])  # [B,nkv,rep,T]
+            for a, b, lo in chunks:
+                s0, sd = _scores(q5, keys, doc_ids, a, b, lo)
+                m = s0.amax(-1) if n == 1 else torch.maximum(s0.amax(-1), sd.amax(-1))  # [B,nkv,rep,c]
+                p0, pd = s0.sub_(m[..., None]).exp_(), sd.sub_(m[..., None]).exp_()
+                total = p0.sum(-1) + pd.sum(-1)
+                out[:, :, :, a:b] = _weighted(p0, pd, values, a, b, lo).div_(total[..., None])
+                lse[:, :, :, a:b] = m + total.log()
+        ctx.save_for_backward(q, doc_ids, out, lse, *kv)
+        ctx.chunks, ctx.n = chunks, n
+        return out.view(B, nh, T, d).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, doc_ids, out, lse, *kv = ctx.saved_tensors
+        n, (B, nh, T, d) = ctx.n, q.shape
+        with torch.autocast(q.device.type, enabled=False):
+            q5, keys, values = _float(q, kv, n)
+            do = grad_out.float().reshape(out.shape)  # [B,nkv,rep,T,d]
+            delta = (do * out).sum(-1, keepdim=True)  # [B,nkv,rep,T,1] rowsum(dO * O)
+            dq = torch.empty_like(q5)
+            dk, dv = [torch.zeros_like(k) for k in keys], [torch.zeros_like(v) for v in values]  # [B,nkv,T,d]
+            for a, b, lo in ctx.chunks:
+                s0, sd = _scores(q5, keys, doc_ids, a, b, lo)
+                p0 = s0.sub_(lse[:, :, :, a:b, None]).exp_()  # [B,nkv,rep,c,L]
+                pd = sd.sub_(lse[:, :, :, a:b, None]).exp_()  # [B,nkv,rep,c,i]
+                qc, dob, dl = q5[:, :, :, a:b], do[:, :, :, a:b], delta[:, :, :, a:b]  # [B,nkv,rep,c,d|1]
+                dv[0][:, :, lo:b] += _fold(p0).transpose(-1, -2) @ _fold(dob)
+                ds0 = p0.mul_(_fold(dob).matmul(values[0][:, :, lo:b].transpose(-1, -2)).view_as(p0).sub_(dl))
+                dq[:, :, :, a:b] = (_fold(ds0) @ keys[0][:, :, lo:b]).view_as(qc)
+                dk[0][:, :, lo:b] += _fold(ds0).transpose(-1, -2) @ _fold(qc)
+                for j in range(1, n):
+                    pj = pd[..., j - 1, None]  # [B,nkv,rep,c,1]
+                    dsj = pj * ((dob * values[j][:, :, None, a:b]).sum(-1, keepdim=True) - dl)
+                    dq[:, :, :, a:b] += dsj * keys[j][:, :, None, a:b]
+                    dk[j][:, :, a:b] = (dsj * qc).sum(2)
+                    dv[j][:, :, a:b] = (pj * dob).sum(2)
+        scale = d ** -0.5
+        grads = [g.mul_(scale).to(k.dtype) for g, k in zip(dk, kv[:n])] + [g.to(v.dtype) for g, v in zip(dv, kv[n:])]
+        return dq.mul_(scale).view(B, nh, T, d).to(q.dtype), None, None, None, *grads
+
+
+def chain_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], doc_ids: torch.Tensor,
+                    chunks: list[tuple[int, int, int]] | None = None) -> torch.Tensor:
+    """Attention of TTT step i = len(keys) - 1: q [B,nh,T,d] over the step-0 keys (causal within the documents of
+    doc_ids [B,T]) and the diagonal of steps 1..i; keys[j], values[j] [B,nkv,T,d]. Returns [B,nh,T,d].
+    `chunks`: query_chunks(doc_ids, ...), computed once by a caller that attends many times."""
+    if chunks is None:
+        chunks = query_chunks(doc_ids, CHUNK.get(q.device.type, CHUNK["cuda"]))
+    return ChainAttention.apply(q, doc_ids, chunks, len(keys), *keys, *values)
+
+
+def _float(q, kv, n):
+    """q as float32 [B,nkv,rep,T,d]; the keys and values as float32 lists, all contiguous (one copy each at most)."""
+    B, nh, T, d = q.shape
+    f = [x.float().contiguous() for x in (q, *kv)]
+    return f[0].view(B, kv[0].shape[1], -1, T, d), f[1:n + 1], f[n + 1:]
+
+
+def _fold(x: torch.Tensor) -> torch.Tensor:
+    """[B,nkv,rep,c,X] -> [B,nkv,rep*c,X]: the query heads of a kv head as more rows of one matmul."""
+    B, nkv, rep, c, X = x.shape
+    return x.reshape(B, nkv, rep * c, X)
+
+
+def _scores(q5, keys, doc_ids, a, b, lo):
+    """Float32 scaled scores of the query rows a..b-1 (q5 [B,nkv,rep,T,d], keys [B,nkv,T,d]): step-0 scores
+    [B,nkv,rep,c,L] over the keys lo..b-1 (L = b - lo), -inf where masked, and diagonal scores [B,nkv,rep,c,i]."""
+    qc = q5[:, :, :, a:b]  # [B,nkv,rep,c,d]
+    scale = q5.shape[-1] ** -0.5
+    s0 = (_fold(qc) @ keys[0][:, :, lo:b].transpose(-1, -2)).view(*qc.shape[:-1], b - lo)
+    t = torch.arange(a, b, device=q5.device)[:, None]
+    s = torch.arange(lo, b, device=q5.device)
+    mask = (s <= t) & (doc_ids[:, a:b, None] == doc_ids[:, None, lo:b])  # [B,c,L]
+    s0 = s0.mul_(scale).masked_fill_(~mask[:, None, None], float("-inf"))
+    sd = torch.stack([(qc * k[:, :, None, a:b]).sum(-1) for k in keys[1:]], -1) if len(keys) > 1 else qc[..., :0]
+    return s0, sd.mul(scale)
+
+
+def _weighted(p0, pd, values, a, b, lo):
+    """Unnormalised output of the query rows a..b-1: p0 [B,nkv,rep,c,L] over v_0[lo:b] plus pd[..., j-1] v_j[a:b]."""
+    o = (_fold(p0) @ values[0][:, :, lo:b]).view(*p0.shape[:-1], -1)  # [B,nkv,rep,c,d]
+    for j, v in enumerate(values[1:]):
+        o += pd[..., j, None] * v[:, :, None, a:b]
+    return o

@@ -1,0 +1,133 @@
+"""`eyas extract --engine vllm` against a stand-in engine (tests/fake_vllm.py), which computes its states with
+transformers and writes files the way vLLM's hidden-states connector does: the store equals local extraction's,
+resumes after the engine dies, leaves none of the engine's files behind, and every way the engine can fail is a
+clear error. The real vLLM: tests/integration/test_vllm_extract.py."""
+
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from eyas.core.errors import EyasError
+from eyas.core.target import load_target
+from eyas.store.engine import check_engine_python, engine_command, vllm_layer_ids
+from eyas.store.extract import ENGINE_DIR, ExtractConfig, run
+from eyas.store.reader import StoreReader
+from tests.test_extract import manifest, write_prepared
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+FAKE = Path(__file__).with_name("fake_vllm.py")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """The tiny target as a model folder: what an engine loads."""
+    out = tmp_path_factory.mktemp("target") / "tiny-hf"
+    t = load_target("tiny")
+    t.model.save_pretrained(out)
+    t.tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    return write_prepared(tmp_path_factory.mktemp("prepared"), n=12)
+
+
+def engine_python(root: Path, die_after: int = -1, version: str = "0.32.0", probe_fails: bool = False) -> str:
+    """An executable standing in for vLLM's environment's python: it answers eyas's version probe and runs the fake
+    server for `-m vllm.entrypoints.openai.api_server`."""
+    root.mkdir(parents=True, exist_ok=True)
+    script = root / "python"
+    probe = "echo 'ModuleNotFoundError: No module named vllm' >&2; exit 1" if probe_fails else \
+        f"echo {version}; echo True; echo True; exit 0"
+    script.write_text(f"""#!/bin/sh
+if [ "$1" = "-c" ]; then {probe}; fi
+shift 2
+FAKE_VLLM_DIE_AFTER={die_after} OMP_NUM_THREADS=1 exec {sys.executable} {FAKE} "$@"
+""")
+    script.chmod(0o755)
+    return str(script)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cfg(prepared, store, folder, **kw) -> ExtractConfig:
+    return ExtractConfig(data=str(prepared), store=str(store), target=str(folder), dtype="fp32", quiet=True,
+                         batch_tokens=200, shard_mb=0.05, **kw)
+
+
+def test_the_engines_store_equals_local_extraction(prepared, folder, tmp_path):
+    local = run(cfg(prepared, tmp_path / "local", folder, attn="eager"))
+    py = engine_python(tmp_path / "env")
+    via = run(cfg(prepared, tmp_path / "engine", folder, engine="vllm", engine_python=py, engine_port=free_port(),
+                  concurrency=3))
+    assert via["samples"] == local["samples"] and via["shards"] == local["shards"] > 2
+    a, b = StoreReader(tmp_path / "local"), StoreReader(tmp_path / "engine")
+    for i in range(len(a)):
+        x, y = a[i], b[i]
+        assert x.id == y.id and torch.equal(x.input_ids, y.input_ids) and torch.equal(x.loss_mask, y.loss_mask)
+        # both bf16 in the store; fp32 forwards, per sample (engine) and in padded batches (local)
+        torch.testing.assert_close(y.aux.float(), x.aux.float(), rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(y.final.float(), x.final.float(), rtol=1e-2, atol=1e-2)
+    assert manifest(tmp_path / "engine")["layer_ids"] == manifest(tmp_path / "local")["layer_ids"] == [2, 4, 5]
+    assert not list((tmp_path / "engine" / ENGINE_DIR).rglob("*.safetensors*"))  # every engine file consumed
+    assert "fake vllm: serving" in (tmp_path / "engine" / "logs" / "engine-rank-00000.log").read_text()
+
+
+def test_an_engine_dying_mid_run_is_named_and_a_rerun_resumes_to_the_same_store(prepared, folder, tmp_path):
+    whole = tmp_path / "whole"
+    run(cfg(prepared, whole, folder, engine="vllm", engine_python=engine_python(tmp_path / "ok"),
+            engine_port=free_port()))
+    store = tmp_path / "store"
+    with pytest.raises(EyasError, match="engine died") as e:
+        run(cfg(prepared, store, folder, engine="vllm", engine_python=engine_python(tmp_path / "dies", die_after=7),
+                engine_port=free_port()))
+    assert "dying as asked" in e.value.why  # the log's tail
+    partial = len(list((store / "shards").glob("*.safetensors")))
+    assert partial >= 1
+    again = run(cfg(prepared, store, folder, engine="vllm", engine_python=engine_python(tmp_path / "ok"),
+                    engine_port=free_port()))
+    assert again["resumed_shards"] == partial
+    a, b = StoreReader(whole), StoreReader(store)
+    assert [a[i].id for i in range(len(a))] == [b[i].id for i in range(len(b))]
+    assert all(torch.equal(a[i].aux, b[i].aux) and torch.equal(a[i].final, b[i].final) for i in range(len(a)))
+
+
+def test_each_way_an_engine_is_missing_is_a_clear_error(prepared, folder, tmp_path):
+    with pytest.raises(EyasError, match="cannot run it"):
+        check_engine_python(str(tmp_path / "nowhere" / "python"))
+    with pytest.raises(EyasError, match="cannot import vllm"):
+        check_engine_python(engine_python(tmp_path / "a", probe_fails=True))
+    with pytest.raises(EyasError, match="too old"):
+        check_engine_python(engine_python(tmp_path / "b", version="0.11.2"))
+    with pytest.raises(EyasError, match="needs a server"):
+        cfg(prepared, tmp_path / "s", folder, engine="vllm")
+    with pytest.raises(EyasError, match="did not answer"):
+        run(cfg(prepared, tmp_path / "s2", folder, engine="vllm", engine_url=f"http://127.0.0.1:{free_port()}"))
+    with pytest.raises(EyasError, match=r"feature layer\(s\) \[9\]"):
+        run(cfg(prepared, tmp_path / "s3", folder, engine="vllm", engine_python=engine_python(tmp_path / "c"),
+                layers=(2, 4, 9)))
+
+
+def test_an_engine_that_fails_to_start_shows_its_log(prepared, folder, tmp_path):
+    """As vLLM exits when it cannot load a model: the error carries its log's last lines; nothing is extracted."""
+    py = engine_python(tmp_path / "env")
+    Path(py).write_text(Path(py).read_text().replace("exec ", "FAKE_VLLM_FAIL_LOAD=1 exec "))
+    with pytest.raises(EyasError, match="exited with code") as e:
+        run(cfg(prepared, tmp_path / "s", folder, engine="vllm", engine_python=py, engine_port=free_port()))
+    assert "cannot load this model" in e.value.why
+    assert not list((tmp_path / "s" / "shards").glob("*.safetensors"))
+
+
+def test_the_layer_ids_and_command_are_vllms(tmp_path):
+    assert vllm_layer_ids([2, 15, 27], 30) == [2, 15, 27, 30]  # HF indices are vLLM's ids; L = the final state
+    cmd = engine_command("/v/bin/python", "/m", [2, 15, 27, 30], tmp_path, 8011, "--tensor-parallel-size 8")
+    assert '"method": "extract_hidden_states"' in cmd and '"eagle_aux_hidden_state_layer_ids": [2, 15, 27, 30]' in cmd
+    assert "EyasHiddenStatesConnector" in cmd and "--tensor-parallel-size 8" in cmd and "PYTHONPATH=" in cmd
