@@ -18,9 +18,12 @@
    memory-mapped views `reader[i]` copied instead (the reader's first design); and the trainer's own packed
    micro-batches (`load_micro_batch`, checked, with its allocation, padding and position ids).
 3. bytes per token of the bf16 and the compact store / the 8H reference (3 feature layers + final, bf16)
+4. with --engine-python: extraction through a vLLM engine (`eyas extract --engine vllm`, attached to an engine
+   started once) / local extraction and / the bare forward pass, alternated
 
     python bench/bench_extract.py                           # SmolLM2-135M on 240 GSM8K conversations
     python bench/bench_extract.py --samples 480 --threads 2 --out /tmp/bench
+    python bench/bench_extract.py --engine-python /tmp/vllm-venv/bin/python --engine-only --repeats 3
 
 Machines shared with other jobs vary by tens of percent between runs: read the ratios, not the absolute speeds.
 """
@@ -150,6 +153,36 @@ def read_batches(store: Path, passes: int, max_tokens: int) -> tuple[float, int]
     return time.perf_counter() - t0, total
 
 
+def engine_figures(args, target, data: Path, cfg: ExtractConfig, out: Path) -> None:
+    """4. extraction through a vLLM engine (started once, attached to: its start-up is timed apart) against local
+    extraction and the bare forward pass, alternated in one run, each over the same samples."""
+    from eyas.core.target import resolve_source
+    from eyas.store.engine import VllmEngine, vllm_layer_ids
+
+    t0 = time.perf_counter()
+    ids = vllm_layer_ids(target.default_feature_layers(), target.num_layers)
+    engine = VllmEngine.start(args.engine_python, str(resolve_source(args.target)[1]), ids, out / "engine-tmp",
+                              out / "engine.log", 8299, f"--dtype bfloat16 {args.engine_args}")
+    startup = time.perf_counter() - t0
+    ecfg = dataclass_replace(cfg, store=str(out / "store-engine"), engine="vllm", engine_url=engine.url,
+                             concurrency=args.concurrency)
+    rows = []
+    try:
+        timed_extract(target, ecfg)  # warm-up of the engine
+        for _ in range(args.repeats):
+            t_bare, tokens = bare_forward(target, data, cfg)
+            t_local, t_engine = timed_extract(target, cfg), timed_extract(target, ecfg)
+            rows.append((tokens / t_bare, tokens / t_local, tokens / t_engine))
+            print(f"  bare {rows[-1][0]:8.0f} tok/s   local extract {rows[-1][1]:8.0f} tok/s   vLLM extract "
+                  f"{rows[-1][2]:8.0f} tok/s   vLLM / local {rows[-1][2] / rows[-1][1]:.3f}", flush=True)
+    finally:
+        engine.close()
+    med = [statistics.median(r[i] for r in rows) for i in range(3)]
+    print(f"4. vLLM extraction (concurrency {args.concurrency}) / local extraction {med[2] / med[1]:.3f}, / bare "
+          f"forward {med[2] / med[0]:.3f}  (medians {med[2]:.0f}, {med[1]:.0f}, {med[0]:.0f} tok/s; the engine "
+          f"started in {startup:.0f} s, not counted)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="smollm2-135m")
@@ -161,6 +194,10 @@ def main() -> None:
     ap.add_argument("--read-passes", type=int, default=5, help="passes over the store per read measurement")
     ap.add_argument("--max-tokens", type=int, default=1024, help="the trainer's packed row length (the recipe's)")
     ap.add_argument("--out", default="/tmp/eyas-bench-extract")
+    ap.add_argument("--engine-python", default="", help="also extract through vLLM (the python of its environment)")
+    ap.add_argument("--engine-args", default="--max-model-len 2048 --enforce-eager --max-num-seqs 8")
+    ap.add_argument("--concurrency", type=int, default=8, help="eyas extract --concurrency, for the engine")
+    ap.add_argument("--engine-only", action="store_true", help="only figure 4 (the engine) and its references")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -172,6 +209,10 @@ def main() -> None:
     cfg = ExtractConfig(data=str(data), store=str(out / "store"), target=args.target, shard_mb=args.shard_mb,
                         quiet=True)
     bare_forward(target, data, cfg)  # warm-up: allocator, kernels, page cache of the dataset
+    if args.engine_python:
+        engine_figures(args, target, data, cfg, out)
+        if args.engine_only:
+            return
     ratios, cpu_ratios, rates = [], [], []
     for _ in range(args.repeats):
         c0 = cpu_seconds()

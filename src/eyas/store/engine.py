@@ -22,11 +22,15 @@ the command `engine_command` prints).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import json
 import os
+import re
 import shlex
+import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -112,7 +116,8 @@ class VllmEngine:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))}
         with open(log, "ab") as out:
             proc = subprocess.Popen([python, *engine_args(model, layer_ids, tmp, port, extra)], stdout=out,
-                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                    preexec_fn=_die_with_parent)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + startup_s
         while time.monotonic() < deadline:
@@ -201,6 +206,13 @@ class VllmEngine:
             self.proc = None
 
 
+def _die_with_parent() -> None:
+    """In the engine's process before exec: on Linux it gets SIGKILL when eyas dies, even by SIGKILL, so a rerun
+    never finds the port held by an orphan (vLLM's own workers follow their server)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def read_states(path: Path) -> dict[str, torch.Tensor]:
     """A connector's file, once its writer released the lock (a shared lock waits for the exclusive one)."""
     lock = Path(str(path) + ".lock")
@@ -220,10 +232,14 @@ def remove_states(path: Path) -> None:
 
 
 def tail(log: Path | None, n: int = LOG_TAIL) -> str:
+    """The log's first error line (a failing engine's root cause, often far above its last lines) and its end."""
     if log is None or not log.is_file():
         return "(no log)"
     lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
-    return "\n".join("  " + line for line in lines[-n:])
+    cause = next((x for x in lines if "WARNING" not in x and re.search(r"(^|\] |\s)[A-Z]\w*(Error|Exception): ", x)),
+                 None)
+    shown = ([cause.strip()[:500], "..."] if cause and cause not in lines[-n:] else []) + lines[-n:]
+    return "\n".join("  " + line for line in shown)
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
