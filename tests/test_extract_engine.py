@@ -131,3 +131,30 @@ def test_the_layer_ids_and_command_are_vllms(tmp_path):
     cmd = engine_command("/v/bin/python", "/m", [2, 15, 27, 30], tmp_path, 8011, "--tensor-parallel-size 8")
     assert '"method": "extract_hidden_states"' in cmd and '"eagle_aux_hidden_state_layer_ids": [2, 15, 27, 30]' in cmd
     assert "EyasHiddenStatesConnector" in cmd and "--tensor-parallel-size 8" in cmd and "PYTHONPATH=" in cmd
+
+
+def test_two_ranks_with_an_engine_each_write_the_same_store_as_one(prepared, folder, tmp_path):
+    """Under torchrun every rank starts its own engine (port + LOCAL_RANK) and writes shards k = rank mod world;
+    the merge's coverage check proves every sample is in the store once."""
+    import json
+    import subprocess
+
+    from tests.test_extract import env_one_thread
+
+    py = engine_python(tmp_path / "env")
+    run(cfg(prepared, tmp_path / "one", folder, engine="vllm", engine_python=py, engine_port=free_port()))
+    port = free_port()
+    args = ["extract", "--data", str(prepared), "--store", str(tmp_path / "two"), "--target", str(folder),
+            "--dtype", "fp32", "--batch-tokens", "200", "--shard-mb", "0.05", "--engine", "vllm",
+            "--engine-python", py, "--engine-port", str(port), "--quiet"]
+    out = subprocess.run(["torchrun", "--standalone", "--nproc-per-node", "2", "--module", "eyas", *args],
+                         env=env_one_thread(), capture_output=True, text=True, timeout=600, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert manifest(tmp_path / "two") == manifest(tmp_path / "one")
+    logs = sorted(p.name for p in (tmp_path / "two" / "logs").glob("engine-rank-*.log"))
+    assert logs == ["engine-rank-00000.log", "engine-rank-00001.log"]  # one engine per rank
+    by_rank = [json.loads((tmp_path / "two" / "index" / f"rank-{r:05d}-of-00002.json").read_text()) for r in (0, 1)]
+    names = [{s["name"] for s in part} for part in by_rank]
+    assert names[0] and names[1] and not names[0] & names[1]
+    a, b = StoreReader(tmp_path / "one"), StoreReader(tmp_path / "two")
+    assert all(torch.equal(a[i].aux, b[i].aux) and torch.equal(a[i].final, b[i].final) for i in range(len(a)))
