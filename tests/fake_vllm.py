@@ -42,6 +42,8 @@ def main() -> None:
     ap.add_argument("--speculative-config", required=True)
     ap.add_argument("--kv-transfer-config", required=True)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--served-model-name", default="")
+    ap.add_argument("--max-model-len", type=int, default=2048)
     a, _ = ap.parse_known_args()
     spec, transfer = json.loads(a.speculative_config), json.loads(a.kv_transfer_config)
     assert spec["method"] == "extract_hidden_states" and spec["num_speculative_tokens"] == 1
@@ -84,7 +86,8 @@ def main() -> None:
             if self.path == "/health":
                 return self._send(200, {})
             if self.path == "/v1/models":
-                return self._send(200, {"data": [{"id": a.model}]})
+                return self._send(200, {"data": [{"id": a.served_model_name or a.model,
+                                                  "max_model_len": a.max_model_len}]})
             self._send(404, {"error": "not found"})
 
         def do_POST(self):

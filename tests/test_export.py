@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(autouse=True)
 def _same_target(monkeypatch, tiny_target):
     """Import loads its --target; hand it the session's tiny target instead of rebuilding it each time."""
-    monkeypatch.setattr("eyas.draft.importer.load_target", lambda spec, **kw: tiny_target)
+    monkeypatch.setattr("eyas.draft.importer.load_target_shell", lambda spec, **kw: tiny_target)
 
 
 def make_checkpoint(target, folder: Path, draft_vocab: int = 500, seed: int = 0) -> Eagle3Draft:

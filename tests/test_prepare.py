@@ -28,7 +28,7 @@ MATH = [{"question": f"What is {i} times 3?", "answer": f"{i} * 3 = {3 * i}\n###
 @pytest.fixture
 def fast_target(tiny_target, monkeypatch):
     """prepare loads its target by name: hand it the session's tiny target instead of rebuilding it."""
-    monkeypatch.setattr("eyas.data.prepare.load_target", lambda spec, **kw: tiny_target)
+    monkeypatch.setattr("eyas.data.prepare.load_target_shell", lambda spec, **kw: tiny_target)
     return tiny_target
 
 

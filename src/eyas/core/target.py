@@ -379,7 +379,7 @@ def load_tokenizer(spec: str = DEFAULT_TARGET, trust_remote_code: bool = False):
     """Only the tokenizer (prepare does not need the weights)."""
     from transformers import AutoTokenizer  # heavy (seconds to import): loaded only where a model is
 
-    _, folder = resolve_source(spec)
+    _, folder = resolve_source(spec, weights=False)  # a Hub target: its tokenizer files, not its weights
     with refusing_code(folder):
         return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
 

@@ -27,7 +27,8 @@ from eyas.core.config import StageConfig, check, opt
 from eyas.core.errors import EyasError
 from eyas.core.files import check_replaceable, publish_output, staged_output, write_json
 from eyas.core.log import console, fmt_duration, fmt_int
-from eyas.core.target import DEFAULT_TARGET, load_target
+from eyas.core.target import DEFAULT_TARGET, load_tokenizer
+from eyas.core.weights import load_target_shell
 from eyas.data.chat import ChatRenderer
 from eyas.data.formats import (
     Conversation,
@@ -184,7 +185,10 @@ def run(cfg: PrepareConfig) -> dict:
     for spec in cfg.data:  # a missing file fails now, before the target is loaded
         resolve_data(spec)
     t0 = time.perf_counter()
-    target = load_target(cfg.target, trust_remote_code=cfg.trust_remote_code)
+    # the tokenizer and the target's identity only: no weight is read (a 1T target prepares like a small one)
+    target = load_target_shell(cfg.target, trust_remote_code=cfg.trust_remote_code)
+    if target.tokenizer is None:
+        target = dataclasses.replace(target, tokenizer=load_tokenizer(cfg.target, cfg.trust_remote_code))
     con.print(target.info())
     renderer = ChatRenderer(target.tokenizer)
     if renderer.fallback:

@@ -13,7 +13,8 @@ from eyas.core.config import StageConfig, check, opt
 from eyas.core.errors import EyasError
 from eyas.core.files import check_replaceable, publish_output, read_json, staged_output
 from eyas.core.log import console
-from eyas.core.target import default_feature_layers, load_target
+from eyas.core.target import default_feature_layers
+from eyas.core.weights import load_target_shell, read_module
 from eyas.draft.checkpoint import CONFIG_FILE, save_draft
 from eyas.draft.export import (
     DRAFT_FIX,
@@ -140,7 +141,8 @@ def complete(t: dict[str, torch.Tensor], dc: DraftConfig, target, where: Path) -
     """Fill what engines share from the target: embed_tokens, and d2t/t2d of a full vocabulary. -> embed source."""
     source = "draft"
     if "embed_tokens.weight" not in t:
-        t["embed_tokens.weight"], source = target.embed_tokens().weight.detach().float().cpu().clone(), "target"
+        embed = read_module(target, target.embed_tokens()).weight  # by name from the checkpoint (eyas.core.weights)
+        t["embed_tokens.weight"], source = embed.detach().float().cpu().clone(), "target"
     if "d2t" not in t:
         check(dc.draft_vocab_size == dc.vocab_size, f"{where}: missing weight 'd2t'",
               f"the draft vocabulary ({dc.draft_vocab_size}) is smaller than the target's ({dc.vocab_size}); "
@@ -164,7 +166,7 @@ def run_import(cfg: ImportConfig) -> dict:
     layer = raw["transformer_layer_config"] if fmt == "speculators" else raw
     tensors = normalise_keys(read_safetensors(src), src)
     check_replaceable(out, "import", cfg.overwrite)
-    target = load_target(cfg.target)
+    target = load_target_shell(cfg.target)  # its identity, shape and (if needed) embeddings: no decoder layer
     dc, how = foreign_config(raw, layer, target, cfg.layers, src)
     check_weights("eagle3", tensors, dims(dc), str(src), relaxed=("embed_tokens.weight", "d2t", "t2d"))
     embed = complete(tensors, dc, target, src)

@@ -5,7 +5,7 @@ Every drafter has the same interface:
     start(seq, feats)       the prompt was prefilled: seq = prompt + first token, feats [n,3H] of positions 0..n-1
     propose(seq, T, gen, budget) -> Proposal   (budget: None = the configured size, 0 = draft nothing, k = k tokens)
     update(seq, feats)      a round committed: seq grew; feats [a+1,3H] of the positions the target just kept
-    forward_time            seconds spent in model forwards (draft model + head), for the overhead share
+    forward_time            seconds spent drafting (model forwards, sampling, tree selection), for the overhead share
 
 EAGLE-3 at inference, as vLLM runs it (docs/export.md, facts 3 and 4): the draft at position p reads (target
 features of p, embedding of token p+1) with rotary position p; its output there predicts token p+2; step k of a

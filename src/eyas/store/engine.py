@@ -29,15 +29,18 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from eyas.core.errors import EyasError
@@ -103,22 +106,37 @@ class VllmEngine:
     """One vLLM server extracting hidden states: started here (`start`) or attached to (`url`)."""
 
     def __init__(self, url: str, tmp: Path | None, proc: subprocess.Popen | None = None, log: Path | None = None,
-                 timeout: float = 600.0):
+                 timeout: float = 600.0, name: str | None = None):
         self.url, self.tmp, self.proc, self.log, self.timeout = url.rstrip("/"), tmp, proc, log, timeout
-        self.model = self._served_model()
+        self.model, self.max_model_len = self._served_model(name)
 
     @classmethod
     def start(cls, python: str, model: str, layer_ids: list[int], tmp: Path, log: Path, port: int,
-              extra: str = "", startup_s: float = 1800.0, timeout: float = 600.0) -> VllmEngine:
-        """Start the server in its own process group, wait until it serves (or fails: its log's tail is shown)."""
+              extra: str = "", startup_s: float = 1800.0, timeout: float = 600.0,
+              env: dict | None = None) -> VllmEngine:
+        """Start the server in its own process group, wait until it serves (or fails: its log's tail is shown).
+        It serves under a name of its own, so a server that already held the port is never mistaken for it."""
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                raise EyasError(f"port {port} is already in use", "another server (another extract?) listens there",
+                                "pass another --engine-port, or attach to that server with --engine-url")
         tmp.mkdir(parents=True, exist_ok=True)
         log.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))}
+        name = f"eyas-{uuid.uuid4().hex[:12]}"
+        env = {**os.environ, **(env or {}),
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))}
         with open(log, "ab") as out:
-            proc = subprocess.Popen([python, *engine_args(model, layer_ids, tmp, port, extra)], stdout=out,
-                                    stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                    preexec_fn=_die_with_parent)
-        url = f"http://127.0.0.1:{port}"
+            proc = subprocess.Popen([python, *engine_args(model, layer_ids, tmp, port, extra),
+                                     "--served-model-name", name], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True, preexec_fn=_die_with_parent)
+        try:
+            return cls._wait(proc, f"http://127.0.0.1:{port}", tmp, log, startup_s, timeout, name)
+        except BaseException:
+            stop(proc)
+            raise
+
+    @classmethod
+    def _wait(cls, proc, url: str, tmp: Path, log: Path, startup_s: float, timeout: float, name: str):
         deadline = time.monotonic() + startup_s
         while time.monotonic() < deadline:
             if proc.poll() is not None:
@@ -127,17 +145,21 @@ class VllmEngine:
                                 + tail(log), f"fix what the log says; the whole log is {log}")
             try:
                 with urllib.request.urlopen(url + "/health", timeout=5):
-                    return cls(url, tmp, proc, log, timeout)
+                    return cls(url, tmp, proc, log, timeout, name)
             except (urllib.error.URLError, ConnectionError, OSError):
                 time.sleep(2.0)
-        stop(proc)
         raise EyasError(f"the vLLM engine did not serve within {startup_s:.0f} s", tail(log),
                         f"see {log}; a large model may need a longer --engine-startup-s")
 
-    def _served_model(self) -> str:
+    def _served_model(self, name: str | None) -> tuple[str, int | None]:
+        """(the served model's name, its max_model_len): the one eyas named, when it started the server."""
         try:
             models = self._get("/v1/models")["data"]
-            return models[0]["id"]
+            mine = [m for m in models if name is None or m["id"] == name]
+            if not mine:
+                raise EyasError(f"{self.url} serves {[m['id'] for m in models]}, not the engine eyas started",
+                                "another server answers on that port", "stop it, or pass another --engine-port")
+            return mine[0]["id"], mine[0].get("max_model_len")
         except (KeyError, IndexError, TypeError):
             raise EyasError(f"{self.url}/v1/models lists no model", fix="give the URL of a vLLM server") from None
 
@@ -196,9 +218,16 @@ class VllmEngine:
         return data["hidden_states"]
 
     def many(self, samples: list[list[int]], concurrency: int) -> list[torch.Tensor]:
-        """states() of several samples, `concurrency` in flight, in order."""
-        with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
-            return list(pool.map(self.states, samples))
+        """states() of several samples, `concurrency` in flight, in order; on an error the queued ones are dropped
+        (not sent to an engine that failed)."""
+        pool = ThreadPoolExecutor(max_workers=max(1, concurrency))
+        try:
+            out = list(pool.map(self.states, samples))
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
+        return out
 
     def close(self) -> None:
         if self.proc is not None:
@@ -206,22 +235,30 @@ class VllmEngine:
             self.proc = None
 
 
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
 def _die_with_parent() -> None:
     """In the engine's process before exec: on Linux it gets SIGKILL when eyas dies, even by SIGKILL, so a rerun
-    never finds the port held by an orphan (vLLM's own workers follow their server)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    never finds the port held by an orphan (vLLM's own workers follow their server). prctl was looked up at import:
+    nothing is loaded in the forked child."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def read_states(path: Path) -> dict[str, torch.Tensor]:
     """A connector's file, once its writer released the lock (a shared lock waits for the exclusive one)."""
     lock = Path(str(path) + ".lock")
+    if not lock.exists() and not path.exists():
+        raise EyasError(f"the engine's file {path} is not on this machine",
+                        "the engine writes its files where eyas cannot see them (another host, another folder)",
+                        "run the engine on this machine with its storage path visible here, or let eyas start it")
     if lock.exists():
         with open(lock) as f:
             fcntl.flock(f, fcntl.LOCK_SH)
     try:
         return load_file(str(path))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, SafetensorError) as e:
         raise EyasError(f"the engine's file {path} is unreadable ({e})", "the engine failed while writing it",
                         "rerun the same command: the sample is extracted again") from None
 

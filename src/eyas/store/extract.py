@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import queue
 import shutil
 import threading
@@ -36,7 +37,7 @@ from eyas.core.errors import EyasError, disk_full
 from eyas.core.files import check_writable, read_json, write_json
 from eyas.core.log import console, fmt_bytes, fmt_duration, fmt_int
 from eyas.core.memory import tune_allocator
-from eyas.core.target import DEFAULT_TARGET, load_target
+from eyas.core.target import DEFAULT_TARGET, TINY, load_target
 from eyas.core.threads import Threads
 from eyas.core.weights import load_target_shell, read_module
 from eyas.data.prepared import open_prepared
@@ -234,7 +235,8 @@ def run(cfg: ExtractConfig, *, target=None) -> dict:
 
     `target` may be passed preloaded (tests, demo); it is then used as it is (its dtype wins over --dtype).
     """
-    env = dist.init(cfg.device)
+    # with an engine the target runs in the engine: this process computes nothing and must hold no GPU it needs
+    env = dist.init("cpu" if cfg.engine == "vllm" else cfg.device)
     con = console(env.rank, cfg.quiet, cfg.json)
     tune_allocator()
     cpu = Threads(cfg.threads, env.local_world_size, env.device)
@@ -414,7 +416,8 @@ def _extract_mine(cfg, env, con, target, ds, shards, layer_ids, lengths, cpu: Th
     bar = con.progress(total=sum(lengths[r] for k in todo for r in shards[k]), desc=desc, unit="tok", unit_scale=True)
     writer, indexes = Writer(), dict(done)
     try:
-        with feature_source(cfg, env, con, target, layer_ids, bool(todo)) as features:
+        longest = max((lengths[r] for k in todo for r in shards[k]), default=0)
+        with feature_source(cfg, env, con, target, layer_ids, longest) as features:
             tokens = _run_shards(cfg, target.hidden_size, ds, shards, todo, lengths, features, writer, indexes, bar,
                                  where, cpu)
     except BaseException:
@@ -453,51 +456,81 @@ def _run_shards(cfg, hidden, ds, shards, todo, lengths, features, writer, indexe
 
 
 @contextlib.contextmanager
-def feature_source(cfg, env, con, target, layer_ids: list[int], needed: bool):
+def feature_source(cfg, env, con, target, layer_ids: list[int], longest: int):
     """features(toks) -> [aux0, aux1, aux2, final], each indexable by sample ([B, T, H] or a list of [T, H]):
-    hooks on the local target, or this rank's vLLM engine (started only when there is work)."""
+    hooks on the local target, or this rank's vLLM engine (started only when there is work: `longest` tokens in
+    this rank's longest sample still to extract, 0 when none)."""
     if cfg.engine == "local":
         with Capture(target, layer_ids) as cap:
             yield lambda toks: forward_batch(target, cap, toks)
         return
-    if not needed:
+    if not longest:
         yield None
         return
     norm = read_module(target, target.final_norm()).to(getattr(torch, ENGINE_DTYPES[cfg.dtype]))
-    engine = open_engine(cfg, env, con, target, layer_ids)
+    engine = open_engine(cfg, env, con, target, layer_ids, longest)
     try:
-        yield lambda toks: engine_features(engine, norm, toks, cfg.concurrency)
+        if engine.max_model_len and longest + 1 > engine.max_model_len:  # the prompt and the one token asked for
+            raise EyasError(f"the engine's max_model_len {engine.max_model_len} is shorter than this rank's longest "
+                            f"sample ({longest} tokens + 1)", "vLLM refuses a prompt that long",
+                            f"start the engine with --max-model-len {longest + 1} or more")
+        yield lambda toks: engine_features(engine, norm, toks, cfg.concurrency, target.hidden_size)
     finally:
         engine.close()
 
 
-def open_engine(cfg, env, con, target, layer_ids: list[int]) -> VllmEngine:
+def open_engine(cfg, env, con, target, layer_ids: list[int], longest: int) -> VllmEngine:
     """Attach to this rank's server (--engine-url), or start one whose files go to STORE/.engine/rank-R/."""
     ids = vllm_layer_ids(layer_ids, target.num_layers)
     if cfg.engine_url:
         urls = [u.strip() for u in cfg.engine_url.split(",") if u.strip()]
         con.print(f"engine: attached to {urls[env.rank % len(urls)]} (rank {env.rank})")
         return VllmEngine(urls[env.rank % len(urls)], None)
+    if cfg.target in TINY:
+        raise EyasError(f"--target {cfg.target} is built in code: an engine cannot load it",
+                        fix="save it as a model folder (model.save_pretrained) and pass that folder")
     version = check_engine_python(cfg.engine_python)
     tmp = Path(cfg.store) / ENGINE_DIR / f"rank-{env.rank:05d}"
     for leftover in (*tmp.glob("*.safetensors"), *tmp.glob("*.safetensors.lock")):  # a killed run's, never read
         leftover.unlink(missing_ok=True)
     log = Path(cfg.store) / "logs" / f"engine-rank-{env.rank:05d}.log"
-    model = target.hub[0] if target.hub else target.source
-    extra = f"--dtype {ENGINE_DTYPES[cfg.dtype]} {cfg.engine_args}"
+    model = target.hub[0] if target.hub else str(Path(target.source).resolve())
+    extra = f"--dtype {ENGINE_DTYPES[cfg.dtype]}" + (f" --revision {target.hub[1]}" if target.hub and target.hub[1]
+                                                      else "")
+    if "--max-model-len" not in cfg.engine_args:
+        extra += f" --max-model-len {longest + 1}"  # the longest prompt, and the one token a completion asks for
+    extra += f" {cfg.engine_args}"
     port = cfg.engine_port + env.local_rank
     con.print(f"engine: starting vLLM {version} on port {port} (log {log}); by hand: "
               f"{engine_command(cfg.engine_python, model, ids, tmp, port, extra)}")
-    return VllmEngine.start(cfg.engine_python, model, ids, tmp, log, port, extra, cfg.engine_startup_s)
+    return VllmEngine.start(cfg.engine_python, model, ids, tmp, log, port, extra, cfg.engine_startup_s,
+                            env=gpu_share(env))
 
 
-def engine_features(engine: VllmEngine, norm, toks: list[torch.Tensor], concurrency: int) -> list[list[torch.Tensor]]:
+def gpu_share(env) -> dict:
+    """CUDA_VISIBLE_DEVICES for this rank's engine: its slice of the node's GPUs (8 GPUs, 8 ranks: one each; 1
+    rank: all of them), unless the user chose them."""
+    if "CUDA_VISIBLE_DEVICES" in os.environ or not torch.cuda.is_available():
+        return {}
+    n, ranks = torch.cuda.device_count(), max(1, env.local_world_size)
+    per = max(1, n // ranks)
+    first = (env.local_rank * per) % n
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(first + i) for i in range(min(per, n - first)))}
+
+
+def engine_features(engine: VllmEngine, norm, toks: list[torch.Tensor], concurrency: int,
+                    hidden: int) -> list[list[torch.Tensor]]:
     """The engine's [T, 4, H] states of each sample as [aux0, aux1, aux2, final] lists; the final state through
     the target's own norm (the engine's is before it, the store's after it, as HF's hidden_states[L])."""
     states = engine.many([t.tolist() for t in toks], concurrency)
     out: list[list[torch.Tensor]] = [[], [], [], []]
     with torch.inference_mode():
-        for s in states:
+        for s, t in zip(states, toks):
+            if tuple(s.shape) != (len(t), 4, hidden):
+                raise EyasError(f"the engine at {engine.url} sent states of shape {list(s.shape)} for a sample of "
+                                f"{len(t)} tokens; the target's would be [{len(t)}, 4, {hidden}]",
+                                "it runs another model, or other layer ids than eyas's",
+                                "serve the target eyas names with the ids it prints (or let eyas start it)")
             for j in range(3):
                 out[j].append(s[:, j])
             out[3].append(norm(s[:, 3].to(norm.weight.dtype)))

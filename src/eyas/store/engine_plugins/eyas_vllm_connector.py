@@ -34,7 +34,7 @@ class _Done:
 
 class EyasHiddenStatesConnector(ExampleHiddenStatesConnector):
     def _submit_async_write(self, pending) -> None:
-        if self._kv_cache is None or self._kv_cache.is_cuda:
+        if self._kv_cache is None or self._kv_cache.device.type != "cpu":
             return super()._submit_async_write(pending)
         if not self._is_tp_rank_zero:
             return
