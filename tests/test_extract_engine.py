@@ -3,6 +3,8 @@ transformers and writes files the way vLLM's hidden-states connector does: the s
 resumes after the engine dies, leaves none of the engine's files behind, and every way the engine can fail is a
 clear error. The real vLLM: tests/integration/test_vllm_extract.py."""
 
+import contextlib
+import os
 import socket
 import sys
 from pathlib import Path
@@ -158,3 +160,38 @@ def test_two_ranks_with_an_engine_each_write_the_same_store_as_one(prepared, fol
     assert names[0] and names[1] and not names[0] & names[1]
     a, b = StoreReader(tmp_path / "one"), StoreReader(tmp_path / "two")
     assert all(torch.equal(a[i].aux, b[i].aux) and torch.equal(a[i].final, b[i].final) for i in range(len(a)))
+
+
+def test_a_killed_runs_engine_leftovers_are_stopped_and_nothing_else(tmp_path):
+    """vLLM's engine-core and workers outlive a SIGKILLed eyas (only the server follows it): the next start kills
+    the recorded group's vLLM processes, never another process of that group."""
+    import subprocess
+    import time
+
+    from eyas.store.engine import GROUP_FILE, stop_leftovers
+
+    sleep = f"{sys.executable} -c 'import time; time.sleep(600)'"
+    leader = subprocess.Popen(["sh", "-c", f"{sleep} unrelated & exec {sleep} VLLM::EngineCore"],
+                              start_new_session=True)  # the group: a vLLM-named process and another one
+    others = []
+    try:
+        time.sleep(1.0)
+        members = [int(p) for p in os.listdir("/proc") if p.isdigit() and _group(int(p)) == leader.pid]
+        others = [p for p in members if p != leader.pid]
+        (tmp_path / GROUP_FILE).write_text(str(leader.pid))
+        assert others and stop_leftovers(tmp_path / GROUP_FILE) == [leader.pid]
+        leader.wait(timeout=10)
+        assert all(_group(p) == leader.pid for p in others)  # not vLLM processes: kept
+        assert not (tmp_path / GROUP_FILE).exists() and stop_leftovers(tmp_path / GROUP_FILE) == []
+    finally:
+        for p in others:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, 9)
+        leader.kill()
+
+
+def _group(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None

@@ -116,3 +116,12 @@ def test_a_sigkilled_run_resumes_to_the_uninterrupted_store(vllm_python, prepare
     assert all(a[i].id == b[i].id and torch.equal(a[i].aux, b[i].aux) and torch.equal(a[i].final, b[i].final)
                for i in range(len(a)))
     assert not list((store / ".engine").rglob("*.safetensors*"))
+    left = [p for p in Path("/proc").glob("[0-9]*") if _cmdline(p).startswith(b"VLLM::")]
+    assert not left, "the killed run's engine-core and workers were left running"
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""

@@ -49,6 +49,7 @@ PLUGINS = Path(__file__).resolve().parent / "engine_plugins"  # put on the engin
 CONNECTOR = "EyasHiddenStatesConnector"  # engine_plugins/eyas_vllm_connector.py: vLLM's, with a CPU write path
 MIN_VERSION = (0, 32)  # the first vLLM with extract_hidden_states and the hidden-states connector
 LOG_TAIL = 30  # lines of the engine's log shown when it fails
+GROUP_FILE = "engine.pgid"  # in the engine's folder: the process group eyas started it in
 
 
 def vllm_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
@@ -122,6 +123,7 @@ class VllmEngine:
                                 "pass another --engine-port, or attach to that server with --engine-url")
         tmp.mkdir(parents=True, exist_ok=True)
         log.parent.mkdir(parents=True, exist_ok=True)
+        stop_leftovers(tmp / GROUP_FILE)
         name = f"eyas-{uuid.uuid4().hex[:12]}"
         env = {**os.environ, **(env or {}),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))}
@@ -129,6 +131,7 @@ class VllmEngine:
             proc = subprocess.Popen([python, *engine_args(model, layer_ids, tmp, port, extra),
                                      "--served-model-name", name], stdout=out, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True, preexec_fn=_die_with_parent)
+        (tmp / GROUP_FILE).write_text(str(proc.pid))  # its process group, for a rerun after eyas was killed
         try:
             return cls._wait(proc, f"http://127.0.0.1:{port}", tmp, log, startup_s, timeout, name)
         except BaseException:
@@ -240,10 +243,36 @@ _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("lin
 
 def _die_with_parent() -> None:
     """In the engine's process before exec: on Linux it gets SIGKILL when eyas dies, even by SIGKILL, so a rerun
-    never finds the port held by an orphan (vLLM's own workers follow their server). prctl was looked up at import:
-    nothing is loaded in the forked child."""
+    never finds the port held by an orphan (its own engine-core and worker processes do not follow it: a rerun
+    kills them, `stop_leftovers`). prctl was looked up at import: nothing is loaded in the forked child."""
     if _PRCTL is not None:
         _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def stop_leftovers(record: Path) -> list[int]:
+    """Kill what is left of an engine eyas started before and could not stop (eyas was SIGKILLed: the server
+    follows it, PR_SET_PDEATHSIG, but vLLM's engine-core and worker processes stay, holding memory and GPUs).
+    Only processes of the recorded process group whose command line names vLLM are killed; returns their pids."""
+    if not record.is_file():
+        return []
+    try:
+        group = int(record.read_text().strip())
+    except ValueError:
+        return []
+    killed = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if os.getpgid(int(proc.name)) != group:
+                continue
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace")
+        except (OSError, ValueError):
+            continue
+        if "vllm" in cmd.lower():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(proc.name), signal.SIGKILL)
+                killed.append(int(proc.name))
+    record.unlink(missing_ok=True)
+    return killed
 
 
 def read_states(path: Path) -> dict[str, torch.Tensor]:
