@@ -106,7 +106,7 @@ def all_reduce_sum(values: list[float], env: DistEnv) -> list[float]:
     """Sum a few numbers over ranks (counts, losses) in float64."""
     if not env.distributed:
         return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=env.device if env.backend == "nccl" else "cpu")
+    t = torch.tensor(values, dtype=torch.float64, device=_collective_device(env))
     dist.all_reduce(t)
     return t.tolist()
 
@@ -115,10 +115,14 @@ def all_reduce_counts(counts: np.ndarray, env: DistEnv) -> np.ndarray:
     """Sum an int64 array over ranks, exactly (token frequencies)."""
     if not env.distributed:
         return counts
-    t = torch.from_numpy(np.ascontiguousarray(counts, dtype=np.int64))
-    t = t.to(env.device) if env.backend == "nccl" else t
+    t = torch.from_numpy(np.ascontiguousarray(counts, dtype=np.int64)).to(_collective_device(env))
     dist.all_reduce(t)
     return t.cpu().numpy()
+
+
+def _collective_device(env: DistEnv) -> str:
+    """Where a collective's tensor must be: NCCL reduces device tensors only, gloo host ones."""
+    return env.device if env.backend == "nccl" else "cpu"
 
 
 def barrier(env: DistEnv) -> None:

@@ -311,6 +311,11 @@ def forward_dtype(cfg: ExtractConfig, target) -> str:
     return str(target.dtype).removeprefix("torch.")
 
 
+def engine_dtype(cfg: ExtractConfig) -> torch.dtype:
+    """The dtype the engine runs in, and writes its states in."""
+    return getattr(torch, ENGINE_DTYPES[cfg.dtype])
+
+
 def _on_every_rank(env, fn: Callable[[], dict]) -> dict:
     """Run fn on every rank, then tell every rank whether all succeeded (the barrier before the merge), so a
     failing rank makes the others stop with its message instead of waiting for it until the timeout."""
@@ -378,7 +383,7 @@ def _prepare_store(cfg, con, env, target, shards, lengths, settings, bpt) -> dic
     shard_bytes = [sum(lengths[r] for r in s) * bpt + HEADER_BYTES for s in shards]
     todo_bytes = sum(b for k, b in enumerate(shard_bytes) if k not in done)
     if cfg.engine == "vllm":  # the engine's files in flight: [T, 4, H] per sample, `concurrency` per rank at most
-        width = torch.empty((), dtype=getattr(torch, ENGINE_DTYPES[cfg.dtype])).element_size()
+        width = engine_dtype(cfg).itemsize
         todo_bytes += env.world_size * cfg.concurrency * max(lengths) * 4 * target.hidden_size * width
     plan = {"target": target.name, "num_layers": target.num_layers, "hidden": target.hidden_size,
             "layers": settings["header"]["layer_ids"], "dtype": settings["header"]["forward_dtype"],
@@ -467,7 +472,7 @@ def feature_source(cfg, env, con, target, layer_ids: list[int], longest: int):
     if not longest:
         yield None
         return
-    norm = read_module(target, target.final_norm()).to(getattr(torch, ENGINE_DTYPES[cfg.dtype]))
+    norm = read_module(target, target.final_norm()).to(engine_dtype(cfg))
     engine = open_engine(cfg, env, con, target, layer_ids, longest)
     try:
         if engine.max_model_len and longest + 1 > engine.max_model_len:  # the prompt and the one token asked for
