@@ -8,7 +8,14 @@ stop at end of turn, up to --max-new-tokens): `slots` refills a finished row's s
 paths' replies are checked to be the same as each other's (bf16 near-ties aside).
 
 `server` sends the same conversations through `eyas regenerate --server URL` to an OpenAI-compatible server
-started beforehand (vLLM's CPU build, for one: docs/regenerate.md), at each --concurrency.
+started beforehand (vLLM's CPU build, for one: docs/regenerate.md), at each --concurrency. `engine` is
+`eyas regenerate --engine vllm`: eyas starts vLLM itself (--engine-python, else $EYAS_VLLM_PYTHON or the
+environment scripts/setup-vllm.sh makes; its start-up is timed apart, not counted) and sends token ids, at each
+--concurrency.
+
+At the end the bench prints issue 24's targets beside what this run measured: eyas's own decoder (`slots`) at
+600 tokens/s, at 5x transformers' `generate`, at efficiency 0.6 and at 2x the engine a user would pick instead
+(vLLM, `engine` or `server`), and how much more data the faster path buys in the same time.
 
 The run also measures the machine's GEMM rate in the target's dtype on the decoder's own largest weight (the
 fused [gate|up] projection, 512 rows at a time) and prints each method's efficiency = tokens/s x FLOPs per token
@@ -18,6 +25,7 @@ attention over the context, a few per cent more at these lengths, is left out, s
     python bench/bench_regenerate.py                                   # GSM8K train, 256 prompts, 256 new tokens
     python bench/bench_regenerate.py --data chitchat --samples 64 --max-turns 3 --max-new-tokens 96   # the recipe's
     python bench/bench_regenerate.py --methods slots server --server http://127.0.0.1:8000 --concurrency 16 64
+    python bench/bench_regenerate.py --methods slots hf engine --concurrency 64 128 256   # the issue's targets
     python bench/bench_regenerate.py --attention      # the single-query attention alone: cost per call and per column
 
 `--attention` times eyas.core.generate.decode_attention on SmolLM2-135M's shapes over a cache slice, against
@@ -31,7 +39,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 
 class Tally:
@@ -62,7 +72,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batch", type=int, nargs="+", default=[32, 64])
     ap.add_argument("--server", default="", help="the server method's URL")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 64], help="the server method's")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 64], help="the server and engine methods'")
+    ap.add_argument("--engine-python", default="", help="the engine method's vLLM python (eyas.core.engine)")
+    ap.add_argument("--engine-args", default="", help="the engine method's more server arguments")
     ap.add_argument("--methods", nargs="+", default=["slots", "batches", "hf"])
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--attention", action="store_true", help="time the single-query attention alone")
@@ -70,13 +82,12 @@ def main() -> None:
     if a.attention:
         return attention_bench(a.dtype)
 
-    import torch
 
     from eyas.core.log import Console
-    from eyas.core.target import load_target
+    from eyas.data.engine import EngineBackend
     from eyas.data.formats import Issues
-    from eyas.data.regenerate import LocalBackend, RegenerateConfig, pending, run_batches, run_slots
-    from eyas.data.server import ServerBackend, run_server
+    from eyas.data.regenerate import pending, run_batches, run_slots
+    from eyas.data.server import run_server
 
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                "unknown CPU")
@@ -86,28 +97,64 @@ def main() -> None:
     backends = {}
     results: dict[tuple[str, str], list[float]] = {}
     replies: dict[tuple[str, str], dict] = {}
-    runs = [(m, f"batch {b}", b) for b in a.batch for m in a.methods if m != "server"]
-    runs += [("server", f"concurrency {c}", c) for c in a.concurrency if "server" in a.methods]
-    for _ in range(a.repeats):
-        for m, setting, n in runs:  # alternated: a slow spell of the machine hits every method
-            gen = "hf" if m == "hf" else "lean"
-            cfg = RegenerateConfig(target=a.target, data=(a.data,), max_samples=a.samples, batch_size=n,
-                                   concurrency=n, server=a.server if m == "server" else "",
-                                   max_new_tokens=a.max_new_tokens, max_turns=a.max_turns, dtype=a.dtype,
-                                   generator=gen, quiet=True, out="/dev/null")
-            key = (gen, n) if m != "server" else ("server", n)
-            if key not in backends:
-                backends[key] = ServerBackend(cfg, con) if m == "server" else LocalBackend(cfg, con)
-            backend = backends[key]
-            todo, _ = pending(cfg, set(), Issues())
-            sink = Tally()
-            t0 = time.perf_counter()
-            {"slots": run_slots, "server": run_server}.get(m, run_batches)(backend, todo, sink)
-            seconds = time.perf_counter() - t0
-            results.setdefault((m, setting), []).append(sink.tokens / seconds)
-            replies[m, setting] = sink.replies
-            print(f"  {m:8s} {setting:15s}: {sink.tokens:6d} reply tokens in {seconds:6.1f} s = "
-                  f"{sink.tokens / seconds:6.1f} tokens/s")
+    runs = [(m, f"batch {b}", b) for b in a.batch for m in a.methods if m not in ("server", "engine")]
+    runs += [(m, f"concurrency {c}", c) for m in ("server", "engine") for c in a.concurrency if m in a.methods]
+    engine_out = Path(tempfile.mkdtemp(prefix="bench-regenerate-")) / "engine.jsonl"  # the engine's log beside it
+    try:
+        for _ in range(a.repeats):
+            for m, setting, n in runs:  # alternated: a slow spell of the machine hits every method
+                backend = backend_for(a, m, n, backends, con, engine_out)
+                cfg = backend.cfg
+                todo, _ = pending(cfg, set(), Issues())
+                sink = Tally()
+                t0 = time.perf_counter()
+                runner = {"slots": run_slots, "server": run_server, "engine": run_server}.get(m, run_batches)
+                runner(backend, todo, sink)
+                seconds = time.perf_counter() - t0
+                results.setdefault((m, setting), []).append(sink.tokens / seconds)
+                replies[m, setting] = sink.replies
+                print(f"  {m:8s} {setting:15s}: {sink.tokens:6d} reply tokens in {seconds:6.1f} s = "
+                      f"{sink.tokens / seconds:6.1f} tokens/s", flush=True)
+    finally:
+        for b in backends.values():
+            if isinstance(b, EngineBackend):
+                b.close()
+    report(a, backends, results, replies)
+
+
+def backend_for(a, m: str, n: int, backends: dict, con, engine_out: Path):
+    """The backend of method `m` at batch size / concurrency `n`: one loaded target per generator, one engine
+    for every concurrency (started once; its start-up is printed, not counted)."""
+    from eyas.data.engine import EngineBackend
+    from eyas.data.regenerate import LocalBackend, RegenerateConfig
+    from eyas.data.server import ServerBackend
+
+    gen = "hf" if m == "hf" else "lean"
+    cfg = RegenerateConfig(target=a.target, data=(a.data,), max_samples=a.samples, batch_size=n, concurrency=n,
+                           server=a.server if m == "server" else "", engine="vllm" if m == "engine" else "local",
+                           engine_python=a.engine_python, engine_args=a.engine_args, max_new_tokens=a.max_new_tokens,
+                           max_turns=a.max_turns,
+                           dtype=a.dtype, generator=gen, quiet=True, out=str(engine_out))
+    key = m if m in ("server", "engine") else gen
+    if key not in backends:
+        t0 = time.perf_counter()
+        backends[key] = {"server": ServerBackend, "engine": EngineBackend}.get(m, LocalBackend)(cfg, con)
+        if m == "engine":
+            print(f"  engine: vLLM started in {time.perf_counter() - t0:.0f} s (not counted)", flush=True)
+    backend = backends[key]
+    if m in ("server", "engine"):
+        backend.concurrency = n  # the bench's sweep: one server, several numbers of conversations in flight
+    backend.cfg = cfg
+    return backend
+
+
+def report(a, backends: dict, results: dict, replies: dict) -> None:
+    """The medians, the GEMM ceiling, the issue's targets against this run, the replies' agreement."""
+    import torch
+
+    from eyas.core.target import load_target
+    from eyas.data.regenerate import LocalBackend
+
     loaded = next((b.target for b in backends.values() if isinstance(b, LocalBackend)), None)
     rate, per_token = gemm_rate(loaded or load_target(a.target, dtype=a.dtype, device=torch.device("cpu")))
     print(f"GEMM rate ({a.dtype}, the fused [gate|up] weight x 512 rows): {rate / 1e9:.0f} GFLOP/s; "
@@ -120,12 +167,33 @@ def main() -> None:
     if "slots" in best and len(best) > 1:
         print("slots (best setting) / " + ", ".join(f"{m} {best['slots'] / r:.2f}x" for m, r in best.items()
                                                     if m != "slots"))
+    targets(best, per_token / rate)
     for b in a.batch:
         x, y = replies.get(("slots", f"batch {b}")), replies.get(("batches", f"batch {b}"))
         if x and y:
             print(f"batch {b}: conversations with the same replies in slots and batches: "
                   f"{sum(x[k] == y[k] for k in x)}/{len(x)} (bf16 near-ties; fp32 is identical in the tests)")
     print(f"bench_regenerate: load {os.getloadavg()[0]:.2f} after")
+
+
+def targets(best: dict[str, float], flop_per_token_s: float) -> None:
+    """Issue 24's targets for eyas's own decoder, each against this run's figures."""
+    if "slots" not in best:
+        return
+    own = best["slots"]
+    rows = [("eyas's decoder, tokens/s", own, 600.0), ("efficiency (GEMM ceiling)", own * flop_per_token_s, 0.6)]
+    if "hf" in best:
+        rows.append(("over transformers' generate", own / best["hf"], 5.0))
+    engines = {m: r for m, r in best.items() if m in ("engine", "server")}
+    if engines:
+        rows.append(("over vLLM", own / max(engines.values()), 2.0))
+    print("issue 24's targets for eyas's own decoder (slots, its best setting):")
+    for what, got, goal in rows:
+        print(f"  {what:30s} {got:8.2f}   target {goal:6.2f}   {'met' if got >= goal else f'{got / goal:.2f} of it'}")
+    if engines:
+        m, r = max(engines.items(), key=lambda kv: kv[1])
+        print(f"the faster path is {'slots' if own >= r else m}: {max(own, r) / min(own, r):.2f}x the other's "
+              "tokens, so that much more data in the same regeneration time")
 
 
 def attention_bench(dtype: str) -> None:

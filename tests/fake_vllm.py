@@ -12,6 +12,12 @@ files the way vLLM 0.32's connector does (eyas.store.engine):
 
     python tests/fake_vllm.py --model DIR --port P --speculative-config JSON --kv-transfer-config JSON [--dtype D]
 
+Without --speculative-config it is a plain server for `eyas regenerate --engine vllm`: POST /v1/completions with
+token ids generates greedily (transformers' generate, one request at a time) up to `max_tokens` or a
+`stop_token_ids` token, and answers the new ids (`choices[0].token_ids`, the stop token included, as vLLM does),
+`finish_reason` and `usage.completion_tokens`. FAKE_VLLM_REQUESTS=FILE appends every
+request's body to FILE, one JSON line each.
+
 FAKE_VLLM_DIE_AFTER=N makes it exit (code 3) when its N+1-th request arrives, as an engine crashing mid-run;
 FAKE_VLLM_FAIL_LOAD=1 makes it fail at start, as vLLM does on a model it cannot load.
 """
@@ -39,21 +45,37 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--speculative-config", required=True)
-    ap.add_argument("--kv-transfer-config", required=True)
+    ap.add_argument("--speculative-config", default="")
+    ap.add_argument("--kv-transfer-config", default="")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--served-model-name", default="")
     ap.add_argument("--max-model-len", type=int, default=2048)
     a, _ = ap.parse_known_args()
-    spec, transfer = json.loads(a.speculative_config), json.loads(a.kv_transfer_config)
-    assert spec["method"] == "extract_hidden_states" and spec["num_speculative_tokens"] == 1
-    ids = spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"]
-    shared = Path(transfer["kv_connector_extra_config"]["shared_storage_path"])
+    generating = not a.speculative_config
+    if not generating:
+        spec, transfer = json.loads(a.speculative_config), json.loads(a.kv_transfer_config)
+        assert spec["method"] == "extract_hidden_states" and spec["num_speculative_tokens"] == 1
+        ids = spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"]
+        shared = Path(transfer["kv_connector_extra_config"]["shared_storage_path"])
     torch.set_num_threads(1)
     if os.environ.get("FAKE_VLLM_FAIL_LOAD"):
         raise ValueError(f"fake vllm cannot load this model: {a.model}")
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=getattr(torch, a.dtype)).eval()
-    print(f"fake vllm: serving {a.model} with layer ids {ids} into {shared}", flush=True)
+    print(f"fake vllm: serving {a.model}" + ("" if generating else f" with layer ids {ids} into {shared}"),
+          flush=True)
+    record = os.environ.get("FAKE_VLLM_REQUESTS")
+
+    def generate(body: dict) -> dict:
+        stops = set(body.get("stop_token_ids") or [])
+        with torch.inference_mode(), LOCK:
+            out = model.generate(torch.tensor([body["prompt"]]), max_new_tokens=body["max_tokens"],
+                                 do_sample=False, eos_token_id=sorted(stops) or None, pad_token_id=0)
+        new = out[0, len(body["prompt"]):].tolist()
+        end = next((k for k, t in enumerate(new) if t in stops), None)
+        new = new if end is None else new[:end + 1]
+        return {"id": "cmpl-gen", "choices": [{"text": "", "token_ids": new,
+                                               "finish_reason": "length" if end is None else "stop"}],
+                "usage": {"completion_tokens": len(new)}}
     die_after = int(os.environ.get("FAKE_VLLM_DIE_AFTER", "-1"))
     state = {"requests": 0}
 
@@ -98,6 +120,11 @@ def main() -> None:
             if 0 <= die_after < n:
                 print("fake vllm: dying as asked", flush=True)
                 os._exit(3)
+            if record:
+                with LOCK, open(record, "a") as f:
+                    f.write(json.dumps(body) + "\n")
+            if generating:
+                return self._send(200, generate(body))
             tokens = body["prompt"]
             if not (isinstance(tokens, list) and all(isinstance(t, int) for t in tokens)):
                 return self._send(400, {"error": "prompt must be token ids here"})

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from eyas.core.engine import check_vllm
 from eyas.core.errors import EyasError
 from eyas.core.target import load_target
-from eyas.store.engine import check_engine_python, engine_command, vllm_layer_ids
+from eyas.store.engine import engine_command, vllm_layer_ids
 from eyas.store.extract import ENGINE_DIR, ExtractConfig, run
 from eyas.store.reader import StoreReader
 from tests.test_extract import manifest, write_prepared
@@ -102,15 +103,21 @@ def test_an_engine_dying_mid_run_is_named_and_a_rerun_resumes_to_the_same_store(
     assert all(torch.equal(a[i].aux, b[i].aux) and torch.equal(a[i].final, b[i].final) for i in range(len(a)))
 
 
-def test_each_way_an_engine_is_missing_is_a_clear_error(prepared, folder, tmp_path):
+def test_each_way_an_engine_is_missing_is_a_clear_error(prepared, folder, tmp_path, monkeypatch):
     with pytest.raises(EyasError, match="cannot run it"):
-        check_engine_python(str(tmp_path / "nowhere" / "python"))
+        check_vllm(str(tmp_path / "nowhere" / "python"))
     with pytest.raises(EyasError, match="cannot import vllm"):
-        check_engine_python(engine_python(tmp_path / "a", probe_fails=True))
+        check_vllm(engine_python(tmp_path / "a", probe_fails=True), extraction=True)
     with pytest.raises(EyasError, match="too old"):
-        check_engine_python(engine_python(tmp_path / "b", version="0.11.2"))
-    with pytest.raises(EyasError, match="needs a server"):
-        cfg(prepared, tmp_path / "s", folder, engine="vllm")
+        check_vllm(engine_python(tmp_path / "b", version="0.11.2"), extraction=True)
+    monkeypatch.delenv("EYAS_VLLM_PYTHON", raising=False)
+    monkeypatch.setenv("EYAS_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(EyasError, match="no vLLM environment found") as e:
+        run(cfg(prepared, tmp_path / "s", folder, engine="vllm"))
+    assert "setup-vllm.sh" in e.value.fix
+    monkeypatch.setenv("EYAS_VLLM_PYTHON", str(tmp_path / "elsewhere" / "python"))
+    with pytest.raises(EyasError, match="elsewhere/python: cannot run it"):
+        run(cfg(prepared, tmp_path / "s1", folder, engine="vllm"))
     with pytest.raises(EyasError, match="did not answer"):
         run(cfg(prepared, tmp_path / "s2", folder, engine="vllm", engine_url=f"http://127.0.0.1:{free_port()}"))
     with pytest.raises(EyasError, match=r"feature layer\(s\) \[9\]"):
@@ -168,7 +175,7 @@ def test_a_killed_runs_engine_leftovers_are_stopped_and_nothing_else(tmp_path):
     import subprocess
     import time
 
-    from eyas.store.engine import GROUP_FILE, stop_leftovers
+    from eyas.core.engine import GROUP_FILE, stop_leftovers
 
     sleep = f"{sys.executable} -c 'import time; time.sleep(600)'"
     leader = subprocess.Popen(["sh", "-c", f"{sleep} unrelated & exec {sleep} VLLM::EngineCore"],

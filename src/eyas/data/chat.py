@@ -192,6 +192,15 @@ class ChatRenderer:
         eos = self.tokenizer.eos_token_id
         return stops + [eos] if eos is not None and eos not in stops else stops
 
+    def reply(self, row: list[int], stops: Sequence[int]) -> tuple[str, int, bool]:
+        """A generated row as (the reply's text, tokens generated counting the stop token, whether the target
+        ended it itself): cut at the first of `stops`, decoded without special tokens, cleaned (clean_reply)."""
+        end = next((k for k, t in enumerate(row) if t in stops), None)
+        toks = row if end is None else row[:end]
+        text = self.tokenizer.decode(toks, skip_special_tokens=True)
+        stopped = end is not None or any(s in text for s in self.stop_strings)
+        return self.clean_reply(text), len(toks) + (end is not None), stopped
+
     def clean_reply(self, text: str) -> str:
         """A generated reply without a trailing start of the next turn (fallback format only)."""
         for stop in self.stop_strings:

@@ -37,14 +37,15 @@ from eyas.core.memory import tune_allocator
 from eyas.core.target import DEFAULT_TARGET, load_target
 from eyas.core.threads import Threads
 from eyas.data.chat import ChatRenderer
+from eyas.data.engine import ENGINE_CONCURRENCY, EngineBackend
 from eyas.data.formats import (
     Conversation,
     Issues,
     read_conversations,
     resolve_data,
 )
-from eyas.data.replies import LEFT_OUT, Dialogue, Failed, Reply, Sink, read_done
-from eyas.data.server import ServerBackend, run_server
+from eyas.data.replies import LEFT_OUT, TOO_LONG, Dialogue, Failed, Reply, Sink, read_done, too_long
+from eyas.data.server import SERVER_CONCURRENCY, ServerBackend, run_server
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,9 +71,18 @@ class RegenerateConfig(StageConfig):
                           "an explicit OMP_NUM_THREADS also wins)")
     dtype: str = opt("float32", "local backend: float32, bfloat16 or float16",
                      choices=("float32", "bfloat16", "float16"))
+    engine: str = opt("local", "local: the target loaded here answers (--generator); vllm: a vLLM server eyas starts "
+                               "for the run and always stops (docs/regenerate.md)", choices=("local", "vllm"))
+    engine_python: str = opt("", "vllm: the python of vLLM's own environment (empty: $EYAS_VLLM_PYTHON, else the one "
+                                 "scripts/setup-vllm.sh makes)")
+    engine_args: str = opt("", "vllm: more server arguments, passed through (e.g. '--tensor-parallel-size 8')")
+    engine_port: int = opt(8300, "vllm: the port of the server eyas starts")
+    engine_startup_s: float = opt(1800.0, "vllm: how long the server may take to start")
     server: str = opt("", "OpenAI-compatible server URL (e.g. http://127.0.0.1:8000); empty: generate locally")
     model: str = opt("", "model name sent to the server; empty: the first one its /v1/models lists")
-    concurrency: int = opt(8, "server backend: conversations in flight")
+    concurrency: int = opt(0, "server and engine backends: conversations in flight (0: "
+                              f"{SERVER_CONCURRENCY} for --server, "
+                              f"{ENGINE_CONCURRENCY} for --engine vllm, the best measured here)")
     timeout: float = opt(300.0, "server backend: seconds one request may take")
     retries: int = opt(4, "server backend: retries of a failed request (refused, timed out, 5xx, malformed)")
     retry_time: float = opt(600.0, "server backend: seconds one request may spend in retries, in total")
@@ -92,13 +102,14 @@ class RegenerateConfig(StageConfig):
         check(0 < self.top_p <= 1, f"--top-p {self.top_p} is not in (0, 1]", "use e.g. 0.95, or 1")
         check(self.batch_size >= 1, f"--batch-size {self.batch_size} is below 1", "use e.g. 8")
         check(self.threads >= 0, f"--threads {self.threads} is negative", "use 0 for the free cores")
-        check(self.concurrency >= 1, f"--concurrency {self.concurrency} is below 1", "use e.g. 8")
+        check(self.concurrency >= 0, f"--concurrency {self.concurrency} is negative", "use 0 for the default")
+        check(not (self.server and self.engine == "vllm"), "--server and --engine vllm both given",
+              "--server answers through a server already running, --engine vllm starts one: pass one of them")
         check(self.timeout > 0 and self.retry_time >= 0 and self.retries >= 0,
               "--timeout must be positive and --retries, --retry-time not negative", "use the defaults")
         check(bool(self.out), "--out is empty", "name the output JSONL file")
 
 
-TOO_LONG = "prompt-too-long"  # exceeds the target's context: a rerun cannot fix it
 PERMANENT = {TOO_LONG, LEFT_OUT}
 
 
@@ -141,15 +152,10 @@ class LocalBackend:
     def name(self) -> str:
         return self.target.name
 
-    def _too_long(self, n: int) -> Failed:
-        if self.cfg.max_prompt_tokens and n > self.cfg.max_prompt_tokens:
-            return Failed(LEFT_OUT, f"{n} tokens exceed --max-prompt-tokens {self.cfg.max_prompt_tokens}")
-        return Failed(TOO_LONG, f"{n} tokens + --max-new-tokens {self.cfg.max_new_tokens} exceed the context")
-
     def prompt_ids(self, prompt: list[dict]) -> list[int] | Failed:
         """The rendered prompt's token ids, or a Failed if it is too long for the target's context."""
         ids = self.renderer.prompt_ids(prompt)
-        return ids if len(ids) <= self.max_prompt else self._too_long(len(ids))
+        return ids if len(ids) <= self.max_prompt else too_long(len(ids), self.cfg, "the target's context")
 
     def slots(self) -> SlotGenerator:
         """The continuous-batching engine over `--batch-size` slots (the lean decoder only)."""
@@ -197,12 +203,8 @@ class LocalBackend:
         return kw
 
     def reply(self, row: list[int]) -> Reply:
-        end = next((k for k, t in enumerate(row) if t in self.stops), None)
-        toks = row if end is None else row[:end]
-        text = self.target.tokenizer.decode(toks, skip_special_tokens=True)
-        clean = self.renderer.clean_reply(text)
-        stopped = end is not None or any(s in text for s in self.renderer.stop_strings)
-        return Reply(clean, len(toks) + (end is not None), cut=not stopped)
+        text, tokens, stopped = self.renderer.reply(row, self.stops)
+        return Reply(text, tokens, cut=not stopped)
 
 
 def run_local(backend: LocalBackend, todo: list[Conversation], sink: Sink) -> None:
@@ -345,6 +347,8 @@ def generation_settings(cfg: RegenerateConfig, model: str) -> dict:
         s |= {"top_p": cfg.top_p, "seed": cfg.seed}
     if not cfg.server:
         s["dtype"] = cfg.dtype
+    if cfg.engine != "local":  # an engine's replies differ from local ones at bf16 near-ties: never mixed
+        s["engine"] = cfg.engine
     return s
 
 
@@ -389,20 +393,26 @@ def _run(cfg: RegenerateConfig, con, out: Path) -> dict:
     t0 = time.perf_counter()
     backend = None
     if todo:  # nothing to add: nothing can be mixed
-        backend = ServerBackend(cfg, con) if cfg.server else LocalBackend(cfg, con)
-        check_settings(cfg, out, backend.name if cfg.server else cfg.target, con)
+        if cfg.server:  # the model's name comes from the server
+            backend = ServerBackend(cfg, con)
+            check_settings(cfg, out, backend.name, con)
+        else:  # checked before minutes go into loading the target or starting an engine
+            check_settings(cfg, out, cfg.target, con)
+            backend = EngineBackend(cfg, con) if cfg.engine == "vllm" else LocalBackend(cfg, con)
     con.print(f"regenerate: {fmt_int(len(todo))} conversations to do, {fmt_int(skipped)} already in {out}")
     bar = con.progress(total=len(todo), desc="regenerate", unit="conv")
     sink = Sink(out, bar)
     stopped = ""
     try:
-        if todo and cfg.server:
+        if isinstance(backend, ServerBackend):
             stopped = run_server(backend, todo, sink)
         elif todo:
             run_local(backend, todo, sink)
     finally:
         sink.close()
         bar.close()
+        if isinstance(backend, EngineBackend):
+            backend.close()
     summary = _summary(cfg, backend, sink, issues, len(todo), skipped, stopped, time.perf_counter() - t0)
     _report(con, summary, sink.failures, issues, sink.left_out)
     retry = summary["not_started"] + sum(n for reason, n in sink.failures.counts.items() if reason not in PERMANENT)
@@ -417,7 +427,8 @@ def _run(cfg: RegenerateConfig, con, out: Path) -> dict:
 
 def _summary(cfg, backend, sink: Sink, issues: Issues, todo: int, skipped: int, stopped: str, elapsed: float) -> dict:
     return {
-        "out": cfg.out, "data": list(cfg.data), "backend": "server" if cfg.server else "local",
+        "out": cfg.out, "data": list(cfg.data),
+        "backend": "server" if cfg.server else "engine" if cfg.engine != "local" else "local",
         "model": getattr(backend, "name", cfg.target), "to_do": todo, "done": sink.done, "skipped": skipped,
         "failed": sink.failures.total(), "failures": sink.failures.to_dict(), "input_issues": issues.to_dict(),
         "left_out": sink.left_out.total(), "left_out_reasons": sink.left_out.to_dict(),

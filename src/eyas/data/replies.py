@@ -28,6 +28,7 @@ class Reply:
 
 
 LEFT_OUT = "over-max-prompt-tokens"  # a Failed reason that is a choice (--max-prompt-tokens), not a failure
+TOO_LONG = "prompt-too-long"  # exceeds the target's context: a rerun cannot fix it
 
 
 class Failed(Exception):
@@ -162,3 +163,9 @@ class Sink:
 # ---------------------------------------------------------------- local backend
 
 
+def too_long(n: int, cfg, context: str) -> Failed:
+    """The Failed of a prompt of `n` tokens over the limit: left out by --max-prompt-tokens, or too long for
+    `context` (the target's, or an engine's max_model_len) with --max-new-tokens."""
+    if cfg.max_prompt_tokens and n > cfg.max_prompt_tokens:
+        return Failed(LEFT_OUT, f"{n} tokens exceed --max-prompt-tokens {cfg.max_prompt_tokens}")
+    return Failed(TOO_LONG, f"{n} tokens + --max-new-tokens {cfg.max_new_tokens} exceed {context}")

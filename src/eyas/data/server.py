@@ -29,6 +29,7 @@ from eyas.data.replies import Dialogue, Failed, Reply, Sink
 
 BACKOFF_S = 0.5  # first retry delay; doubles each retry
 BACKOFF_MAX_S = 30.0
+SERVER_CONCURRENCY = 8  # conversations in flight by default: a server others may share
 GIVE_UP_AFTER = 16  # conversations failing in a row: the server is down
 RETRY_HTTP = {408, 409, 425, 429, 500, 502, 503, 504}
 MAX_ANSWER = 64 << 20  # bytes: a chat completion is far smaller; more is a misbehaving server
@@ -50,7 +51,7 @@ class ServerSettings(Protocol):
     seed: int
 
 
-class _Retryable(Exception):
+class Retryable(Exception):
     def __init__(self, reason: str, detail: str):
         super().__init__(detail)
         self.reason, self.detail = reason, detail
@@ -76,15 +77,18 @@ def api_key(cfg: ServerSettings) -> str:
 
 
 class ServerBackend:
-    def __init__(self, cfg: ServerSettings, con):
+    """Chat completions of `--server` (or `url`, the endpoint itself, and `model`: a server eyas started)."""
+
+    def __init__(self, cfg: ServerSettings, con, url: str = "", model: str = "", concurrency: int = 0):
         self.cfg = cfg
-        self.url = endpoint(cfg.server)
+        self.url = url or endpoint(cfg.server)
         self._key = api_key(cfg)
-        self.name = cfg.model or self._first_model()
-        con.print(f"server {self.url}, model {self.name!r}, {cfg.concurrency} conversations in flight")
+        self.name = model or cfg.model or self._first_model()
+        self.concurrency = concurrency or cfg.concurrency or SERVER_CONCURRENCY
+        con.print(f"server {self.url}, model {self.name!r}, {self.concurrency} conversations in flight")
 
     def _request(self, url: str, body: dict | None) -> dict:
-        """One HTTP exchange; _Retryable for what a retry may fix, Failed for what it will not."""
+        """One HTTP exchange; Retryable for what a retry may fix, Failed for what it will not."""
         headers = {"Content-Type": "application/json"}
         if self._key:
             headers["Authorization"] = f"Bearer {self._key}"
@@ -96,22 +100,22 @@ class ServerBackend:
         except urllib.error.HTTPError as e:
             text = self._redact(_error_text(e))[:200]
             if e.code in RETRY_HTTP:
-                raise _Retryable(f"http-{e.code}", text) from None
+                raise Retryable(f"http-{e.code}", text) from None
             raise Failed(f"http-{e.code}", text) from None
         except TimeoutError:  # socket.timeout is an alias
-            raise _Retryable("timeout", f"no answer within --timeout {self.cfg.timeout:g} s") from None
+            raise Retryable("timeout", f"no answer within --timeout {self.cfg.timeout:g} s") from None
         except (urllib.error.URLError, ConnectionError, OSError) as e:
-            raise _Retryable("connection-error", str(getattr(e, "reason", e))) from None
+            raise Retryable("connection-error", str(getattr(e, "reason", e))) from None
         except http.client.IncompleteRead as e:
-            raise _Retryable("connection-error", f"the answer was cut short ({len(e.partial)} bytes)") from None
+            raise Retryable("connection-error", f"the answer was cut short ({len(e.partial)} bytes)") from None
         except http.client.HTTPException as e:  # BadStatusLine, LineTooLong, ...: not an HTTP answer
-            raise _Retryable("malformed-response", f"not an HTTP answer ({type(e).__name__}: {str(e)[:80]})") from None
+            raise Retryable("malformed-response", f"not an HTTP answer ({type(e).__name__}: {str(e)[:80]})") from None
         try:
             obj = json.loads(raw)
         except (ValueError, RecursionError):  # RecursionError: JSON nested deeper than Python's stack
-            raise _Retryable("malformed-response", self._redact(raw[:4096].decode("utf-8", "replace"))[:120]) from None
+            raise Retryable("malformed-response", self._redact(raw[:4096].decode("utf-8", "replace"))[:120]) from None
         if not isinstance(obj, dict):
-            raise _Retryable("malformed-response", "the answer is not a JSON object")
+            raise Retryable("malformed-response", "the answer is not a JSON object")
         return obj
 
     def _redact(self, text: str) -> str:
@@ -125,20 +129,20 @@ class ServerBackend:
             chunks.append(chunk)
             size += len(chunk)
             if size > MAX_ANSWER:
-                raise _Retryable("malformed-response", f"an answer of more than {MAX_ANSWER >> 20} MiB")
+                raise Retryable("malformed-response", f"an answer of more than {MAX_ANSWER >> 20} MiB")
             if time.monotonic() > deadline:
-                raise _Retryable("timeout", f"the answer took longer than --timeout {self.cfg.timeout:g} s")
+                raise Retryable("timeout", f"the answer took longer than --timeout {self.cfg.timeout:g} s")
         if resp.length:  # bytes its Content-Length promised that never came
-            raise _Retryable("connection-error", f"the answer was cut short ({size} bytes, {resp.length} missing)")
+            raise Retryable("connection-error", f"the answer was cut short ({size} bytes, {resp.length} missing)")
         return b"".join(chunks)
 
     def _with_retries(self, url: str, body: dict | None, parse):
-        """parse(answer) of the first good answer; _Retryable errors (also from parse) are retried."""
+        """parse(answer) of the first good answer; Retryable errors (also from parse) are retried."""
         deadline = time.monotonic() + self.cfg.retry_time
         for attempt in range(self.cfg.retries + 1):
             try:
                 return parse(self._request(url, body))
-            except _Retryable as e:
+            except Retryable as e:
                 last = e
             delay = min(BACKOFF_MAX_S, BACKOFF_S * 2**attempt) * random.uniform(0.5, 1.0)
             if attempt == self.cfg.retries or time.monotonic() + delay > deadline:
@@ -168,7 +172,7 @@ def _model_name(obj: dict) -> str:
     try:
         return str(obj["data"][0]["id"])
     except (KeyError, IndexError, TypeError):
-        raise _Retryable("malformed-response", "no data[0].id in the model list") from None
+        raise Retryable("malformed-response", "no data[0].id in the model list") from None
 
 
 def _completion(obj: dict) -> Reply:
@@ -177,9 +181,9 @@ def _completion(obj: dict) -> Reply:
         choice = obj["choices"][0]
         text = choice["message"]["content"]
     except (KeyError, IndexError, TypeError):
-        raise _Retryable("malformed-response", "no choices[0].message.content in the answer") from None
+        raise Retryable("malformed-response", "no choices[0].message.content in the answer") from None
     if not isinstance(text, str):
-        raise _Retryable("malformed-response", "choices[0].message.content is not a string")
+        raise Retryable("malformed-response", "choices[0].message.content is not a string")
     usage = obj.get("usage") if isinstance(obj.get("usage"), dict) else {}
     tokens = usage.get("completion_tokens")
     tokens = tokens if type(tokens) is int and tokens >= 0 else 0  # a count is optional: a bad one is no count
@@ -205,11 +209,11 @@ def run_server(backend: ServerBackend, todo: list, sink: Sink) -> str:
     """Regenerate `todo` with bounded concurrency; returns why it stopped early, or ""."""
     queue = iter(todo)
     inflight: dict = {}
-    pool = ThreadPoolExecutor(max_workers=backend.cfg.concurrency, thread_name_prefix="eyas-regen")
+    pool = ThreadPoolExecutor(max_workers=backend.concurrency, thread_name_prefix="eyas-regen")
     stopped = ""
     try:
         while True:
-            while not stopped and len(inflight) < backend.cfg.concurrency and (c := next(queue, None)) is not None:
+            while not stopped and len(inflight) < backend.concurrency and (c := next(queue, None)) is not None:
                 d = Dialogue(c)
                 inflight[pool.submit(converse, backend, d)] = d
             if not inflight:

@@ -33,6 +33,7 @@ import torch
 
 from eyas.core import dist
 from eyas.core.config import StageConfig, changed_settings, check, opt
+from eyas.core.engine import check_vllm, vllm_python
 from eyas.core.errors import EyasError, disk_full
 from eyas.core.files import check_writable, read_json, write_json
 from eyas.core.log import console, fmt_bytes, fmt_duration, fmt_int
@@ -41,7 +42,7 @@ from eyas.core.target import DEFAULT_TARGET, TINY, load_target
 from eyas.core.threads import Threads
 from eyas.core.weights import load_target_shell, read_module
 from eyas.data.prepared import open_prepared
-from eyas.store.engine import VllmEngine, check_engine_python, engine_command, vllm_layer_ids
+from eyas.store.engine import VllmEngine, engine_command, vllm_layer_ids
 from eyas.store.layout import SHARD_DIR, bytes_per_token, shard_name
 from eyas.store.shards import shard_index
 from eyas.store.writer import ShardBuilder, check_coverage, write_manifest
@@ -76,7 +77,8 @@ class ExtractConfig(StageConfig):
                                            "the target (one per rank; docs/extract.md)")
     engine_url: str = opt("", "vllm: attach to servers already running (comma-separated; rank r uses the r-th "
                               "modulo their number) instead of starting one")
-    engine_python: str = opt("", "vllm: the python of vLLM's own environment, to start the server with")
+    engine_python: str = opt("", "vllm: the python of vLLM's own environment, to start the server with (empty: "
+                                 "$EYAS_VLLM_PYTHON, else the one scripts/setup-vllm.sh makes)")
     engine_args: str = opt("", "vllm: more server arguments, passed through (e.g. '--tensor-parallel-size 8')")
     engine_port: int = opt(8200, "vllm: the port of the server eyas starts (rank r on this node: port + r)")
     engine_startup_s: float = opt(1800.0, "vllm: how long the server may take to start")
@@ -94,9 +96,6 @@ class ExtractConfig(StageConfig):
         check(self.batch_tokens >= 1, f"--batch-tokens {self.batch_tokens} must be >= 1", "use e.g. 8192")
         check(self.shard_mb > 0, f"--shard-mb {self.shard_mb} must be positive", "use e.g. 512")
         check(self.limit >= 0, f"--limit {self.limit} is negative", "use 0 for all samples")
-        check(self.engine == "local" or bool(self.engine_url or self.engine_python),
-              "--engine vllm needs a server: --engine-python (eyas starts it) or --engine-url (one running)",
-              "pass --engine-python VENV/bin/python of vLLM's environment, or --engine-url http://HOST:PORT")
         check(self.concurrency >= 1, f"--concurrency {self.concurrency} must be >= 1", "use e.g. 8")
 
 
@@ -490,11 +489,12 @@ def open_engine(cfg, env, con, target, layer_ids: list[int], longest: int) -> Vl
     if cfg.engine_url:
         urls = [u.strip() for u in cfg.engine_url.split(",") if u.strip()]
         con.print(f"engine: attached to {urls[env.rank % len(urls)]} (rank {env.rank})")
-        return VllmEngine(urls[env.rank % len(urls)], None)
+        return VllmEngine.attach(urls[env.rank % len(urls)])
     if cfg.target in TINY:
         raise EyasError(f"--target {cfg.target} is built in code: an engine cannot load it",
                         fix="save it as a model folder (model.save_pretrained) and pass that folder")
-    version = check_engine_python(cfg.engine_python)
+    python = vllm_python(cfg.engine_python)
+    version = check_vllm(python, extraction=True)
     tmp = Path(cfg.store) / ENGINE_DIR / f"rank-{env.rank:05d}"
     for leftover in (*tmp.glob("*.safetensors"), *tmp.glob("*.safetensors.lock")):  # a killed run's, never read
         leftover.unlink(missing_ok=True)
@@ -507,8 +507,8 @@ def open_engine(cfg, env, con, target, layer_ids: list[int], longest: int) -> Vl
     extra += f" {cfg.engine_args}"
     port = cfg.engine_port + env.local_rank
     con.print(f"engine: starting vLLM {version} on port {port} (log {log}); by hand: "
-              f"{engine_command(cfg.engine_python, model, ids, tmp, port, extra)}")
-    return VllmEngine.start(cfg.engine_python, model, ids, tmp, log, port, extra, cfg.engine_startup_s,
+              f"{engine_command(python, model, ids, tmp, port, extra)}")
+    return VllmEngine.start(python, model, ids, tmp, log, port, extra, cfg.engine_startup_s,
                             env=gpu_share(env))
 
 

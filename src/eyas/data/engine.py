@@ -1,0 +1,108 @@
+"""`eyas regenerate --engine vllm`: the target answers through a vLLM server eyas starts for the run and stops
+after it (eyas.core.engine: its own environment, its start-up shown, its log kept beside the output).
+
+On this two-core CPU vLLM's CPU build makes more tokens per second than eyas's own decoder (docs/regenerate.md,
+measured side by side), and on GPUs it is what a user would run anyway. Each prompt is rendered here with the
+target's chat template exactly as the local backend renders it, and its token ids are sent to `/v1/completions`
+with the template's stop tokens; the reply's token ids come back (`return_token_ids`) and are cut and decoded the
+local way (ChatRenderer.reply). So both backends see the same prompts and the same stops, and only the engine's
+arithmetic differs. `--max-prompt-tokens` and the context check (the engine's max_model_len) apply as locally.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from eyas.core.engine import Server, check_vllm, cpu_env, server_argv, vllm_python
+from eyas.core.errors import EyasError
+from eyas.core.target import TINY, hub_id, load_tokenizer, resolve_source
+from eyas.data.chat import ChatRenderer
+from eyas.data.replies import Reply, too_long
+from eyas.data.server import Retryable, ServerBackend, ServerSettings
+
+ENGINE_CONCURRENCY = 128  # conversations in flight by default: the best of 64, 128, 256 measured here
+
+
+class EngineSettings(ServerSettings, Protocol):
+    """What the engine backend reads of the stage's settings besides the server's (eyas.data.regenerate)."""
+
+    out: str
+    target: str
+    dtype: str
+    max_prompt_tokens: int
+    trust_remote_code: bool
+    engine_python: str
+    engine_args: str
+    engine_port: int
+    engine_startup_s: float
+
+
+def engine_paths(out: Path) -> tuple[Path, Path]:
+    """(the engine's folder: its process-group record, its log) beside the output."""
+    return out.with_name(f".{out.name}.engine"), out.with_name(out.name + ".engine.log")
+
+
+class EngineBackend(ServerBackend):
+    """The target served by a vLLM server of this run's own; answers a conversation's turns by token ids."""
+
+    def __init__(self, cfg: EngineSettings, con):
+        if cfg.target in TINY:
+            raise EyasError(f"--target {cfg.target} is built in code: an engine cannot load it",
+                            fix="save it as a model folder (model.save_pretrained) and pass that folder")
+        python = vllm_python(cfg.engine_python)
+        version = check_vllm(python)
+        self.renderer = ChatRenderer(load_tokenizer(cfg.target, cfg.trust_remote_code))
+        self.stops = self.renderer.stop_token_ids()
+        hub = hub_id(cfg.target)
+        model = hub[0] if hub else str(resolve_source(cfg.target)[1].resolve())
+        args = ["--dtype", cfg.dtype, "--seed", str(cfg.seed), "--generation-config", "vllm",
+                *(["--revision", hub[1]] if hub and hub[1] else []), *cfg.engine_args.split()]
+        home, log = engine_paths(Path(cfg.out))
+        argv = server_argv(python, model, cfg.engine_port, args)
+        env = cpu_env()
+        con.print(f"engine: starting vLLM {version} on port {cfg.engine_port} (log {log})"
+                  + (f", {' '.join(f'{k}={v}' for k, v in env.items())} (CPU defaults; set them to change)"
+                     if env else "") + "; by hand: " + " ".join(argv))
+        bar = con.progress(desc="vLLM start", unit="poll", bar_format="{desc}: {elapsed} {postfix}")
+        try:
+            self.server = Server.start(argv, home, log, cfg.engine_port, cfg.engine_startup_s, cfg.timeout,
+                                       task="regeneration",
+                                       on_wait=lambda line: (bar.set_postfix_str(line[-70:]), bar.update()))
+        finally:
+            bar.close()
+        context = self.server.max_model_len or 1 << 30
+        self.max_prompt = context - cfg.max_new_tokens
+        if cfg.max_prompt_tokens:
+            self.max_prompt = min(self.max_prompt, cfg.max_prompt_tokens)
+        super().__init__(cfg, con, url=self.server.url + "/v1/completions", model=self.server.model,
+                         concurrency=cfg.concurrency or ENGINE_CONCURRENCY)
+
+    def ask(self, messages: list[dict]) -> Reply:
+        ids = self.renderer.prompt_ids(messages)
+        if len(ids) > self.max_prompt:
+            raise too_long(len(ids), self.cfg, f"the engine's max_model_len {self.server.max_model_len}")
+        cfg = self.cfg
+        body = {"model": self.name, "prompt": ids, "max_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
+                "stop_token_ids": self.stops, "skip_special_tokens": False, "return_token_ids": True}
+        if self.renderer.stop_strings:
+            body["stop"] = self.renderer.stop_strings
+        if cfg.temperature > 0:
+            body.update(top_p=cfg.top_p, seed=cfg.seed)
+        return self._with_retries(self.url, body, self._reply)
+
+    def _reply(self, obj: dict) -> Reply:
+        """The reply of a completion whose output token ids came back, cut and decoded as locally."""
+        try:
+            choice = obj["choices"][0]
+            row = [int(t) for t in choice["token_ids"]]
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise Retryable("malformed-response", "no choices[0].token_ids in the completion") from None
+        text, tokens, stopped = self.renderer.reply(row, self.stops)
+        usage = obj.get("usage") if isinstance(obj.get("usage"), dict) else {}
+        counted = usage.get("completion_tokens")  # with the stop token, where token_ids leave it out
+        tokens = max(tokens, counted) if type(counted) is int else tokens
+        return Reply(text, tokens, cut=not (stopped or choice.get("finish_reason") == "stop"))
+
+    def close(self) -> None:
+        self.server.close()

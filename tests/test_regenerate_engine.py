@@ -1,0 +1,132 @@
+"""`eyas regenerate --engine vllm` against a stand-in engine (tests/fake_vllm.py without --speculative-config: greedy
+generation with transformers): the replies equal the local backend's, the prompts and stops sent are the local
+ones, the engine is always stopped and its log kept, and every refusal is a clear error. The real vLLM:
+tests/integration/test_vllm_regenerate.py."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from eyas.core.engine import GROUP_FILE
+from eyas.core.errors import EyasError
+from eyas.core.target import load_target
+from eyas.data.chat import ChatRenderer
+from eyas.data.engine import engine_paths
+from eyas.data.regenerate import RegenerateConfig, run
+from tests.test_extract_engine import engine_python, folder, free_port  # noqa: F401 (folder: a fixture)
+from tests.test_regenerate import REPO, make_data, read_out
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def config(data, out, target, **kw) -> RegenerateConfig:
+    return RegenerateConfig(**{"data": (str(data),), "out": str(out), "target": str(target), "max_new_tokens": 5,
+                               "quiet": True, **kw})
+
+
+def engine(tmp_path, name="env", **kw) -> dict:
+    return dict(engine="vllm", engine_python=engine_python(tmp_path / name, **kw), engine_port=free_port(),
+                concurrency=3)
+
+
+def alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def test_the_engine_answers_as_the_local_backend_and_is_stopped(folder, tmp_path, monkeypatch):  # noqa: F811
+    data = make_data(tmp_path, 6)
+    requests = tmp_path / "requests.jsonl"
+    monkeypatch.setenv("FAKE_VLLM_REQUESTS", str(requests))
+    local = run(config(data, tmp_path / "local.jsonl", folder, generator="lean", batch_size=3))
+    out = tmp_path / "engine.jsonl"
+    summary = run(config(data, out, folder, **engine(tmp_path)))
+    assert summary["backend"] == "engine" and summary["done"] == local["done"] >= 3
+    assert summary["failures"] == local["failures"]  # the same empty replies, if any
+    key = {r["id"]: r["messages"] for r in read_out(tmp_path / "local.jsonl")}
+    assert {r["id"]: r["messages"] for r in read_out(out)} == key  # fp32 greedy: the same replies, turn by turn
+    assert summary["tokens"] == local["tokens"]  # counted alike, the stop token included
+    renderer = ChatRenderer(load_target(str(folder)).tokenizer)
+    sent = [json.loads(line) for line in requests.read_text().splitlines()]
+    first = next(r for r in read_out(out) if r["id"] == "q0")["messages"][:1]
+    assert any(b["prompt"] == renderer.prompt_ids(first) for b in sent)  # the local prompt, as token ids
+    assert all(b["stop_token_ids"] == renderer.stop_token_ids() and b["max_tokens"] == 5 for b in sent)
+    home, log = engine_paths(out)
+    assert "fake vllm: serving" in log.read_text()  # the engine's log is kept beside the output
+    assert not alive(int((home / GROUP_FILE).read_text()))  # stopped, with its whole process group
+    assert json.loads(out.with_name(out.name + ".settings.json").read_text())["engine"] == "vllm"
+
+
+def test_local_and_engine_replies_are_never_mixed(folder, tmp_path):  # noqa: F811
+    data, out = make_data(tmp_path, 3), tmp_path / "out.jsonl"
+    run(config(data, out, folder, max_samples=1))
+    with pytest.raises(EyasError, match="engine None then, 'vllm' now"):
+        run(config(data, out, folder, **engine(tmp_path)))
+    assert len(read_out(out)) <= 1  # what the local run wrote is kept
+
+
+def test_max_prompt_tokens_and_the_engines_context_leave_prompts_out(folder, tmp_path):  # noqa: F811
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n"
+                            for i, p in (("s", "Hi."), ("l", "Tell me " + "more and more " * 40))))
+    out = tmp_path / "out.jsonl"
+    summary = run(config(data, out, folder, max_prompt_tokens=40, **engine(tmp_path)))
+    assert summary["left_out"] == 1 and summary["failed"] == 0
+    assert "exceed --max-prompt-tokens 40" in json.dumps(summary["left_out_reasons"])
+    summary = run(config(data, tmp_path / "o2.jsonl", folder, max_new_tokens=2040, **engine(tmp_path, "b")))
+    assert summary["failures"]["prompt-too-long"]["count"] == 2  # the fake serves 2,048 tokens
+    assert "exceed the engine's max_model_len 2048" in json.dumps(summary["failures"])
+
+
+def test_each_refusal_is_a_clear_error(folder, tmp_path):  # noqa: F811
+    data, out = make_data(tmp_path, 2), tmp_path / "out.jsonl"
+    with pytest.raises(EyasError, match="--server and --engine vllm both given"):
+        config(data, out, folder, server="http://127.0.0.1:1", engine="vllm")
+    with pytest.raises(EyasError, match="built in code"):
+        run(config(data, out, "tiny", **engine(tmp_path)))
+    with pytest.raises(EyasError, match="cannot import vllm"):
+        run(config(data, out, folder, **engine(tmp_path, "a", probe_fails=True)))
+    py = engine_python(tmp_path / "dies")
+    Path(py).write_text(Path(py).read_text().replace("exec ", "FAKE_VLLM_FAIL_LOAD=1 exec "))
+    with pytest.raises(EyasError, match="exited with code") as e:
+        run(config(data, out, folder, engine="vllm", engine_python=py, engine_port=free_port()))
+    assert "cannot load this model" in e.value.why
+    assert not out.exists() or not read_out(out)  # nothing written
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_an_interrupted_run_stops_its_engine_and_a_rerun_finishes(folder, tmp_path, sig):  # noqa: F811
+    """Ctrl-C stops the engine (eyas's finally); SIGKILL too (the kernel kills it with eyas: PR_SET_PDEATHSIG).
+    What was written is kept, and the rerun does the rest."""
+    data, out = make_data(tmp_path, 24), tmp_path / "out.jsonl"
+    opts = engine(tmp_path)
+    cmd = [sys.executable, "-m", "eyas", "regenerate", "--data", str(data), "--out", str(out), "--target",
+           str(folder), "--max-new-tokens", "12", "--engine", "vllm", "--engine-python", opts["engine_python"],
+           "--engine-port", str(opts["engine_port"]), "--concurrency", "1", "--quiet"]
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(REPO / "src")}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not out.exists() or out.read_text().count("\n") < 2):
+        assert proc.poll() is None, proc.stderr.read().decode()
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    proc.wait(timeout=60)
+    proc.stderr.close()
+    group = int((engine_paths(out)[0] / GROUP_FILE).read_text())
+    deadline = time.monotonic() + 30
+    while alive(group) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(group), "the engine outlived the eyas that started it"
+    kept = out.read_text().count("\n")
+    assert 2 <= kept < 24
+    summary = run(config(data, out, folder, max_new_tokens=12, **engine(tmp_path, "again")))
+    assert summary["skipped"] == kept and len({r["id"] for r in read_out(out)}) == kept + summary["done"]
