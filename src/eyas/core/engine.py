@@ -28,6 +28,7 @@ from pathlib import Path
 
 from eyas.core.errors import EyasError
 from eyas.core.paths import cache_dir
+from eyas.core.target import TINY, hub_id, resolve_source
 
 PYTHON_ENV = "EYAS_VLLM_PYTHON"  # the python of vLLM's environment, when --engine-python is not given
 SETUP = "scripts/setup-vllm.sh"  # makes that environment at cache_dir() / VENV
@@ -102,6 +103,18 @@ def cpu_env() -> dict:
     if "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ and len(os.sched_getaffinity(0)) <= FEW_CORES:
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
     return env
+
+
+def engine_model(spec: str) -> tuple[str, list[str]]:
+    """(what vLLM's --model gets for a target, the --revision arguments): a Hub id as it is, else the target's
+    folder (a built-in GGUF's converted copy), absolute. Code-built targets are refused: an engine cannot load them."""
+    if spec in TINY:
+        raise EyasError(f"--target {spec} is built in code: an engine cannot load it",
+                        fix="save it as a model folder (model.save_pretrained) and pass that folder")
+    hub = hub_id(spec)
+    if hub:
+        return hub[0], ["--revision", hub[1]] if hub[1] else []
+    return str(resolve_source(spec)[1].resolve()), []
 
 
 def server_argv(python: str, model: str, port: int, args: list[str]) -> list[str]:

@@ -14,11 +14,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from eyas.core.engine import Server, check_vllm, cpu_env, server_argv, vllm_python
-from eyas.core.errors import EyasError
-from eyas.core.target import TINY, hub_id, load_tokenizer, resolve_source
+from eyas.core.engine import Server, check_vllm, cpu_env, engine_model, server_argv, vllm_python
+from eyas.core.target import load_tokenizer
 from eyas.data.chat import ChatRenderer
-from eyas.data.replies import Reply, too_long
+from eyas.data.replies import Reply, prompt_limit, too_long
 from eyas.data.server import Retryable, ServerBackend, ServerSettings
 
 ENGINE_CONCURRENCY = 128  # conversations in flight by default: the best of 64, 128, 256 measured here
@@ -47,17 +46,13 @@ class EngineBackend(ServerBackend):
     """The target served by a vLLM server of this run's own; answers a conversation's turns by token ids."""
 
     def __init__(self, cfg: EngineSettings, con):
-        if cfg.target in TINY:
-            raise EyasError(f"--target {cfg.target} is built in code: an engine cannot load it",
-                            fix="save it as a model folder (model.save_pretrained) and pass that folder")
+        model, revision = engine_model(cfg.target)
         python = vllm_python(cfg.engine_python)
         version = check_vllm(python)
         self.renderer = ChatRenderer(load_tokenizer(cfg.target, cfg.trust_remote_code))
         self.stops = self.renderer.stop_token_ids()
-        hub = hub_id(cfg.target)
-        model = hub[0] if hub else str(resolve_source(cfg.target)[1].resolve())
-        args = ["--dtype", cfg.dtype, "--seed", str(cfg.seed), "--generation-config", "vllm",
-                *(["--revision", hub[1]] if hub and hub[1] else []), *cfg.engine_args.split()]
+        args = ["--dtype", cfg.dtype, "--seed", str(cfg.seed), "--generation-config", "vllm", *revision,
+                *cfg.engine_args.split()]
         home, log = engine_paths(Path(cfg.out))
         argv = server_argv(python, model, cfg.engine_port, args)
         env = cpu_env()
@@ -71,10 +66,7 @@ class EngineBackend(ServerBackend):
                                        on_wait=lambda line: (bar.set_postfix_str(line[-70:]), bar.update()))
         finally:
             bar.close()
-        context = self.server.max_model_len or 1 << 30
-        self.max_prompt = context - cfg.max_new_tokens
-        if cfg.max_prompt_tokens:
-            self.max_prompt = min(self.max_prompt, cfg.max_prompt_tokens)
+        self.max_prompt = prompt_limit(self.server.max_model_len, cfg)
         super().__init__(cfg, con, url=self.server.url + "/v1/completions", model=self.server.model,
                          concurrency=cfg.concurrency or ENGINE_CONCURRENCY)
 

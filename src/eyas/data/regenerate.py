@@ -44,7 +44,7 @@ from eyas.data.formats import (
     read_conversations,
     resolve_data,
 )
-from eyas.data.replies import LEFT_OUT, TOO_LONG, Dialogue, Failed, Reply, Sink, read_done, too_long
+from eyas.data.replies import LEFT_OUT, TOO_LONG, Dialogue, Failed, Reply, Sink, prompt_limit, read_done, too_long
 from eyas.data.server import SERVER_CONCURRENCY, ServerBackend, run_server
 
 
@@ -128,10 +128,7 @@ class LocalBackend:
         self.stops = self.renderer.stop_token_ids()
         pad = self.target.tokenizer.pad_token_id
         self.pad = pad if pad is not None else self.stops[0]
-        limit = getattr(self.target.text_config, "max_position_embeddings", None) or 1 << 30
-        self.max_prompt = limit - cfg.max_new_tokens
-        if cfg.max_prompt_tokens:
-            self.max_prompt = min(self.max_prompt, cfg.max_prompt_tokens)
+        self.max_prompt = prompt_limit(getattr(self.target.text_config, "max_position_embeddings", None), cfg)
         torch.manual_seed(cfg.seed)
         self.rng = torch.Generator(device=self.target.device).manual_seed(cfg.seed)
         self.lean = self._lean(cfg.generator)

@@ -160,7 +160,11 @@ class Sink:
         self.file.close()
 
 
-# ---------------------------------------------------------------- local backend
+def prompt_limit(context: int | None, cfg) -> int:
+    """The longest prompt a backend answers: what `context` leaves for --max-new-tokens (None: no known limit),
+    and at most --max-prompt-tokens when given."""
+    limit = (context or 1 << 30) - cfg.max_new_tokens
+    return min(limit, cfg.max_prompt_tokens) if cfg.max_prompt_tokens else limit
 
 
 def too_long(n: int, cfg, context: str) -> Failed:

@@ -33,12 +33,12 @@ import torch
 
 from eyas.core import dist
 from eyas.core.config import StageConfig, changed_settings, check, opt
-from eyas.core.engine import check_vllm, vllm_python
+from eyas.core.engine import check_vllm, engine_model, vllm_python
 from eyas.core.errors import EyasError, disk_full
 from eyas.core.files import check_writable, read_json, write_json
 from eyas.core.log import console, fmt_bytes, fmt_duration, fmt_int
 from eyas.core.memory import tune_allocator
-from eyas.core.target import DEFAULT_TARGET, TINY, load_target
+from eyas.core.target import DEFAULT_TARGET, load_target
 from eyas.core.threads import Threads
 from eyas.core.weights import load_target_shell, read_module
 from eyas.data.prepared import open_prepared
@@ -490,18 +490,14 @@ def open_engine(cfg, env, con, target, layer_ids: list[int], longest: int) -> Vl
         urls = [u.strip() for u in cfg.engine_url.split(",") if u.strip()]
         con.print(f"engine: attached to {urls[env.rank % len(urls)]} (rank {env.rank})")
         return VllmEngine.attach(urls[env.rank % len(urls)])
-    if cfg.target in TINY:
-        raise EyasError(f"--target {cfg.target} is built in code: an engine cannot load it",
-                        fix="save it as a model folder (model.save_pretrained) and pass that folder")
+    model, revision = engine_model(cfg.target)
     python = vllm_python(cfg.engine_python)
     version = check_vllm(python, extraction=True)
     tmp = Path(cfg.store) / ENGINE_DIR / f"rank-{env.rank:05d}"
     for leftover in (*tmp.glob("*.safetensors"), *tmp.glob("*.safetensors.lock")):  # a killed run's, never read
         leftover.unlink(missing_ok=True)
     log = Path(cfg.store) / "logs" / f"engine-rank-{env.rank:05d}.log"
-    model = target.hub[0] if target.hub else str(Path(target.source).resolve())
-    extra = f"--dtype {ENGINE_DTYPES[cfg.dtype]}" + (f" --revision {target.hub[1]}" if target.hub and target.hub[1]
-                                                      else "")
+    extra = " ".join([f"--dtype {ENGINE_DTYPES[cfg.dtype]}", *revision])
     if "--max-model-len" not in cfg.engine_args:
         extra += f" --max-model-len {longest + 1}"  # the longest prompt, and the one token a completion asks for
     extra += f" {cfg.engine_args}"
