@@ -456,3 +456,40 @@ def test_cli_writes_where_asked_and_refuses_a_missing_folder(tmp_path, capsys):
     assert summary["path"] == str(out) and out.is_file() and not (run_dir / "report.html").exists()
     assert cli_main(["report", str(tmp_path / "nope")]) == 2
     assert "run folder" in capsys.readouterr().err
+
+
+def test_data_scaling_curve_points_trend_and_extrapolation_by_hand(tmp_path):
+    """Drafts trained on 1/4, 1/2 and all of the data, evaluated side by side: one point each at the chain they
+    share, their training tokens from their runs' plan.json, and the least-squares line in log tokens."""
+    run_dir = make_run(tmp_path / "scaling")
+    r = str(run_dir)
+    for share, tokens in (("q", 100_000), ("h", 200_000)):
+        _w(run_dir / "curve" / share / "plan.json", {**PLAN, "tokens": tokens, "epochs": 2})
+        _w(run_dir / "curve" / share / "final" / "config.json", {})
+    _w(run_dir / "train" / "plan.json", {**PLAN, "tokens": 400_000, "epochs": 2})
+    res = results(samples=False)
+    res["settings"]["draft"] = f"{r}/train/final"
+    res["configs"] = [_config("eagle3 chain k=5", "eagle3", 5, 1.5, 1.2, [0.4]),  # all: 400k tokens
+                      _config("q/final chain k=5", f"{r}/curve/q/final", 5, 1.1, 0.9, [0.2]),
+                      _config("h/final chain k=5", f"{r}/curve/h/final", 5, 1.4, 1.1, [0.3]),
+                      _config("eagle3 chain k=3", "eagle3", 3, 9.0, 1.0, [0.4]),  # not the shared chain
+                      _config("prompt-lookup k=7", "prompt-lookup", 7, 9.0, 1.0, [0.1])]
+    _w(run_dir / "evaluate" / "curve" / "results.json", res)
+    _marker(run_dir, "evaluate-curve", "evaluate", {"draft": f"{r}/train/final", "out": f"{r}/evaluate/curve"},
+            {}, 10.0)
+    _, page = report(run_dir)
+    assert page.sections["scaling"]["status"] == "ok"
+    check_numbers(page, run_dir)
+    text = " ".join(page.sections["scaling"]["text"].split())
+    # by hand: x = ln(tokens) steps by ln 2; taus 1.1, 1.4, 1.5 -> slope b = (1.5 - 1.1) / (2 ln 2) per e-fold,
+    # +0.2 per doubling; the line's mean 4/3 at the middle point (200k): 2.0 is (2 - 4/3) / 0.2 doublings past it
+    assert "evaluate-curve q 100,000 2 1.100 1.133" in text
+    assert "evaluate-curve train 400,000 2 1.500 1.533" in text
+    assert "+0.200 per doubling" in text
+    at2 = 200_000 * 2 ** ((2 - 4 / 3) / 0.2)
+    assert f"τ 2.0 at {at2:,.0f} tokens ({at2 / 400_000:,.1f}× the largest)" in text
+    assert "9.000" not in text  # neither the shorter chain nor prompt lookup is a point
+
+
+def test_no_scaling_section_without_drafts_of_different_data(demo):
+    assert "scaling" not in demo[2].sections

@@ -16,6 +16,7 @@ import torch
 from eyas.core.errors import EyasError
 from eyas.draft.checkpoint import read_draft
 from eyas.store.reader import StoreReader
+from eyas.train.data import nested_share
 from eyas.train.trainer import TrainConfig, run
 from tests.train_fakes import write_store
 
@@ -388,3 +389,25 @@ def test_an_explicit_omp_num_threads_wins(store, tmp_path, monkeypatch):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_nested_share_is_a_seeded_prefix_so_smaller_shares_lie_within_larger_ones():
+    shares = [set(nested_share(1000, f, seed=3).tolist()) for f in (0.125, 0.25, 0.5, 1.0)]
+    assert [len(s) for s in shares] == [125, 250, 500, 1000]
+    assert all(a < b for a, b in zip(shares, shares[1:]))  # strictly nested
+    assert shares[0] != set(nested_share(1000, 0.125, seed=4).tolist())  # the seed picks which
+    assert len(nested_share(3, 0.01, seed=0)) == 1  # never empty
+
+
+def test_data_fraction_trains_a_share_and_leaves_the_validation_samples_alone(store, tmp_path):
+    s = run(TrainConfig(quiet=True, store=str(store), out=str(tmp_path / "half"), data_fraction=0.5, **SMALL))
+    assert s["samples"] == 16  # half of the 32 samples, once each
+    plan = json.loads((tmp_path / "half" / "plan.json").read_text())
+    assert any("--data-fraction 0.5: 16 of the 32 samples" in line for line in plan["lines"])
+    v = run(TrainConfig(quiet=True, store=str(store), out=str(tmp_path / "vq"), val_fraction=0.25, data_fraction=0.25,
+                        **SMALL))
+    assert v["samples"] == 6  # a quarter of the 24 left after 8 are held out
+    held = [json.loads(x) for x in (tmp_path / "vq" / "validation.jsonl").read_text().splitlines()]
+    assert held[-1]["samples"] == 8
+    with pytest.raises(EyasError, match="--data-fraction 0"):
+        TrainConfig(data_fraction=0)

@@ -146,6 +146,27 @@ def line_chart(series: Sequence[tuple[str, Sequence[float], Sequence[float | Non
         return to_svg(fig, title)
 
 
+def scaling_chart(series: Sequence[tuple[str, Sequence[float], Sequence[float], tuple[float, float] | None]],
+                  title: str, xlabel: str, ylabel: str) -> str:
+    """Points (label, xs, ys, trend) on a log x axis; trend (a, b): the dashed line y = a + b ln(x) over the points'
+    span and a factor of 4 beyond it."""
+    import matplotlib.pyplot as plt  # heavy: loaded only where a plot is drawn
+    from matplotlib.ticker import FuncFormatter
+
+    with plt.rc_context(_style()):
+        fig, ax = _figure()
+        for j, (label, xs, ys, line) in enumerate(series):
+            color = PALETTE[j % len(PALETTE)]
+            ax.plot(xs, ys, color=color, lw=0, marker="o", ms=5, label=label)
+            if line and xs:
+                grid = np.geomspace(min(xs), 4 * max(xs), 50)
+                ax.plot(grid, line[0] + line[1] * np.log(grid), color=color, lw=1.2, ls="--")
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+        _finish(ax, title, xlabel, ylabel, len(series) > 1)
+        return to_svg(fig, title)
+
+
 def ramp(n: int) -> list[str]:
     """n colours from deep purple to green (viridis): TTT step 0 darkest (a sequence, not categories)."""
     import matplotlib  # heavy: loaded only where a plot is drawn

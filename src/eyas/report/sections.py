@@ -9,6 +9,7 @@ token and the plan's arithmetic are read as they are).
 from __future__ import annotations
 
 from eyas import __version__
+from eyas.report import scaling
 from eyas.report.plots import (
     badge,
     bar_chart,
@@ -21,6 +22,7 @@ from eyas.report.plots import (
     not_run,
     num,
     page,
+    scaling_chart,
     section,
     step_chart,
     table,
@@ -433,6 +435,39 @@ def sec_evaluation(f: RunFiles, d: Loaded) -> tuple[str, bool]:
               "target latencies allow with zero overhead; efficiency = measured / predicted.</p>"), True
 
 
+def sec_scaling(f: RunFiles, d: Loaded) -> tuple[str, bool] | None:
+    """Drafts trained on more or less of the same data, evaluated side by side (eyas.report.scaling); None (no
+    section) when no evaluation holds two of them."""
+    curves = []
+    for name, marker in f.stages("evaluate"):
+        out = marker.get("settings", "out")
+        res = f.json(f.resolve(out) / "results.json") if isinstance(out, str) else None
+        pts = scaling.points(res.data, f.resolve, lambda p: f.json(p).data) if res else []
+        if len(pts) >= 2:
+            curves.append((name, res, pts, scaling.trend(pts)))
+    if not curves:
+        return None
+    chart = scaling_chart([(f"{n} ({r.get('bench', 'name')})", [p.tokens for p in pts], [p.tau for p in pts],
+                            (t.a, t.b) if t else None) for n, r, pts, t in curves],
+                          "Acceptance length τ against training tokens", "training tokens (log scale)", "τ")
+    rows = []
+    for name, res, pts, t in curves:
+        for p in pts:
+            plan = f.json(p.plan)
+            rows.append([esc(name), esc(p.label), plan.num("tokens"), plan.num("epochs"),
+                         res.num("configs", p.config, "tau", fmt=",.3f"), f"{t.tau_at(p.tokens):.3f}" if t else "–"])
+        if t:
+            reach = [(goal, t.tokens_for(goal)) for goal in (2.0, 2.5, 3.0)]
+            words = "; ".join(f"{TAU} {goal:.1f} at {n:,.0f} tokens ({n / pts[-1].tokens:,.1f}× the largest)" if n
+                              else f"{TAU} {goal:.1f}: never (the line does not rise)" for goal, n in reach)
+            rows.append([esc(name), "<em>trend</em>", "–", "–", f"{t.per_doubling:+.3f} per doubling", words])
+    return (figures(chart) + table(["evaluation", "draft", "training tokens", "epochs", TAU, "trend · extrapolated"],
+                                   rows, numeric=(2, 3, 4))
+            + f"<p class=\"note\">Each point: a draft of that evaluation at the same chain length, trained on the "
+              f"tokens its run's plan.json counts (each once). Trend: the least-squares line {TAU} = a + b ln(tokens) "
+              "through the points; extrapolating assumes the line goes on, which nothing guarantees past them.</p>")
+
+
 # -- sample generations ----------------------------------------------------------------------------------------------
 def generation(sample: dict) -> str:
     """Token pieces with the draft's accepted tokens highlighted. pieces[0] comes from the prompt's forward; then
@@ -512,7 +547,8 @@ def sec_export(f: RunFiles, d: Loaded) -> tuple[str, bool]:
 # -- the page --------------------------------------------------------------------------------------------------------
 SECTIONS = (("pipeline", "Pipeline", sec_pipeline), ("data", "Data", sec_data),
             ("plan", "Plan and sharding audit", sec_plan), ("training", "Training", sec_training),
-            ("evaluation", "Speculative decoding", sec_evaluation), ("samples", "Sample generations", None),
+            ("evaluation", "Speculative decoding", sec_evaluation), ("scaling", "Data-scaling curve", sec_scaling),
+            ("samples", "Sample generations", None),
             ("export", "Export", sec_export))
 
 
@@ -521,7 +557,10 @@ def render(f: RunFiles, d: Loaded, samples: int = 3) -> tuple[str, list[tuple[st
 
     parts, html = [("summary", "Summary", True)], []
     for sid, title, make in SECTIONS:
-        body, ran = make(f, d) if make else sec_samples(f, d, samples)
+        made = make(f, d) if make else sec_samples(f, d, samples)
+        if made is None:  # an optional section with nothing to show
+            continue
+        body, ran = made if isinstance(made, tuple) else (made, True)
         parts.append((sid, title, ran))
         html.append(section(sid, title, body, "ok" if ran else "not run"))
     if f.problems:

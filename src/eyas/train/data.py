@@ -142,6 +142,15 @@ def split_holdout(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.nd
     return np.sort(perm[k:]), np.sort(perm[:k])
 
 
+def nested_share(n: int, fraction: float, seed: int) -> np.ndarray:
+    """The sorted indices of a seeded `fraction` of 0..n-1 (at least 1): a prefix of one permutation, so a smaller
+    share's samples are all within a larger one's (the points of a data-scaling curve differ only by data)."""
+    if fraction >= 1:
+        return np.arange(n)
+    k = min(n, max(1, round(n * fraction)))
+    return np.sort(np.random.default_rng([seed, 104729]).permutation(n)[:k])
+
+
 # -- batches ---------------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Batch:

@@ -48,6 +48,7 @@ from eyas.train.data import (
     PreparedSource,
     Subset,
     check_store_data,
+    nested_share,
     open_store,
     split_holdout,
 )
@@ -212,6 +213,9 @@ def sources(cfg):
     if val is None and cfg.val_fraction > 0:
         keep, held = split_holdout(len(train), cfg.val_fraction, cfg.seed)
         train, val = Subset(train, keep), Subset(train, held)
+    if cfg.data_fraction < 1:  # a share of what is left for training; the held-out samples stay as they are
+        share = nested_share(len(train), cfg.data_fraction, cfg.seed)
+        train = Subset(train.source, train.indices[share]) if isinstance(train, Subset) else Subset(train, share)
     return train, val
 
 
@@ -293,6 +297,9 @@ def make_plan(cfg, env, con, train_src, spec: ShardSpec, vocab: dict, threads: t
     plan = compute_plan(units[0], env.world_size, cfg.micro_batch, cfg.grad_accum, cfg.epochs, cfg.drop_remainder,
                         tokens=int(lengths.sum()))
     lines = []
+    if cfg.data_fraction < 1:
+        lines.append(f"data: --data-fraction {cfg.data_fraction:g}: {fmt_int(len(lengths))} of the "
+                     f"{fmt_int(data['samples'])} samples ({fmt_int(int(lengths.sum()))} tokens), a seeded share")
     if cfg.max_tokens:
         lines.append(f"packing: {fmt_int(len(lengths))} samples -> {fmt_int(units[0])} sequences of at most "
                      f"{fmt_int(cfg.max_tokens)} tokens in epoch 1 (global); the plan's samples are these sequences")

@@ -65,6 +65,8 @@ class TrainConfig(StageConfig):
                                        "truncated, instead of stopping")
     val_store: str = opt("", "hidden-state store for the validation pass; empty: hold out --val-fraction")
     val_fraction: float = opt(0.0, "share of the training samples held out for validation (without --val-store)")
+    data_fraction: float = opt(1.0, "train on this seeded share of the training samples (after any hold-out); "
+                                    "a smaller share's samples are within a larger one's (data-scaling curves)")
     epochs: int = opt(EPOCHS, "passes over the training data")
     max_steps: int = opt(0, "stop after this many optimizer steps (0 = all epochs); the LR schedule spans them")
     micro_batch: int = opt(MICRO_BATCH, "samples (or packed sequences) per micro-batch, per rank")
@@ -111,6 +113,8 @@ class TrainConfig(StageConfig):
         check(0 <= self.warmup_ratio < 1, f"train: --warmup-ratio {self.warmup_ratio} outside [0, 1)", "e.g. 0.02")
         check(0 <= self.min_lr_ratio <= 1, f"train: --min-lr-ratio {self.min_lr_ratio} outside [0, 1]", "e.g. 0.1")
         check(0 <= self.val_fraction < 1, f"train: --val-fraction {self.val_fraction} outside [0, 1)", "e.g. 0.05")
+        check(0 < self.data_fraction <= 1, f"train: --data-fraction {self.data_fraction} outside (0, 1]",
+              "e.g. 0.25 for a quarter of the samples")
         check(0 < self.step_decay <= 1, f"train: --step-decay {self.step_decay} outside (0, 1]", "EAGLE-3 uses 0.8")
         check(self.grad_clip >= 0, f"train: --grad-clip {self.grad_clip} is negative", "give 0 (off) or e.g. 0.5")
         check(not self.online or bool(self.data), "train: --online needs the prepared dataset (--data DIR)",
