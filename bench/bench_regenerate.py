@@ -26,6 +26,7 @@ attention over the context, a few per cent more at these lengths, is left out, s
     python bench/bench_regenerate.py --data chitchat --samples 64 --max-turns 3 --max-new-tokens 96   # the recipe's
     python bench/bench_regenerate.py --methods slots server --server http://127.0.0.1:8000 --concurrency 16 64
     python bench/bench_regenerate.py --methods slots hf engine --concurrency 64 128 256   # the issue's targets
+    python bench/bench_regenerate.py --methods engine --concurrency 128 --hogs 0 1 2   # beside busy processes
     python bench/bench_regenerate.py --attention      # the single-query attention alone: cost per call and per column
 
 `--attention` times eyas.core.generate.decode_attention on SmolLM2-135M's shapes over a cache slice, against
@@ -39,6 +40,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -77,6 +80,8 @@ def main() -> None:
     ap.add_argument("--engine-args", default="", help="the engine method's more server arguments")
     ap.add_argument("--methods", nargs="+", default=["slots", "batches", "hf"])
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--hogs", type=int, nargs="+", default=[0],
+                    help="run everything beside this many busy processes (python -c 'while True: pass'), each in turn")
     ap.add_argument("--attention", action="store_true", help="time the single-query attention alone")
     a = ap.parse_args()
     if a.attention:
@@ -100,26 +105,43 @@ def main() -> None:
     runs = [(m, f"batch {b}", b) for b in a.batch for m in a.methods if m not in ("server", "engine")]
     runs += [(m, f"concurrency {c}", c) for m in ("server", "engine") for c in a.concurrency if m in a.methods]
     engine_out = Path(tempfile.mkdtemp(prefix="bench-regenerate-")) / "engine.jsonl"  # the engine's log beside it
+    loaded: dict[tuple[str, str, int], float] = {}
     try:
-        for _ in range(a.repeats):
-            for m, setting, n in runs:  # alternated: a slow spell of the machine hits every method
-                backend = backend_for(a, m, n, backends, con, engine_out)
-                cfg = backend.cfg
-                todo, _ = pending(cfg, set(), Issues())
-                sink = Tally()
-                t0 = time.perf_counter()
-                runner = {"slots": run_slots, "server": run_server, "engine": run_server}.get(m, run_batches)
-                runner(backend, todo, sink)
-                seconds = time.perf_counter() - t0
-                results.setdefault((m, setting), []).append(sink.tokens / seconds)
-                replies[m, setting] = sink.replies
-                print(f"  {m:8s} {setting:15s}: {sink.tokens:6d} reply tokens in {seconds:6.1f} s = "
-                      f"{sink.tokens / seconds:6.1f} tokens/s", flush=True)
+        for hogs in a.hogs:
+            procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(hogs)]
+            try:
+                for _ in range(a.repeats):
+                    for m, setting, n in runs:  # alternated: a slow spell of the machine hits every method
+                        backend = backend_for(a, m, n, backends, con, engine_out)
+                        cfg = backend.cfg
+                        todo, _ = pending(cfg, set(), Issues())
+                        sink = Tally()
+                        t0 = time.perf_counter()
+                        runner = {"slots": run_slots, "server": run_server, "engine": run_server}.get(m, run_batches)
+                        runner(backend, todo, sink)
+                        seconds = time.perf_counter() - t0
+                        if hogs == a.hogs[0]:
+                            results.setdefault((m, setting), []).append(sink.tokens / seconds)
+                            replies[m, setting] = sink.replies
+                        loaded.setdefault((m, setting, hogs), sink.tokens / seconds)
+                        print(f"  {m:8s} {setting:15s} {hogs} busy: {sink.tokens:6d} reply tokens in "
+                              f"{seconds:6.1f} s = {sink.tokens / seconds:6.1f} tokens/s", flush=True)
+            finally:
+                for proc in procs:
+                    proc.kill()
+                    proc.wait()
     finally:
         for b in backends.values():
             if isinstance(b, EngineBackend):
                 b.close()
     report(a, backends, results, replies)
+    if len(a.hogs) > 1:
+        print("beside busy processes (each against the first column):")
+        print(f"{'method':8s} {'setting':16s} " + " ".join(f"{f'{h} busy':>17s}" for h in a.hogs))
+        for m, setting, _ in runs:
+            q = loaded[m, setting, a.hogs[0]]
+            print(f"{m:8s} {setting:16s} " + " ".join(
+                f"{loaded[m, setting, h]:8.1f} ({loaded[m, setting, h] / q:4.2f}x)" for h in a.hogs))
 
 
 def backend_for(a, m: str, n: int, backends: dict, con, engine_out: Path):

@@ -130,3 +130,15 @@ def test_an_interrupted_run_stops_its_engine_and_a_rerun_finishes(folder, tmp_pa
     assert 2 <= kept < 24
     summary = run(config(data, out, folder, max_new_tokens=12, **engine(tmp_path, "again")))
     assert summary["skipped"] == kept and len({r["id"] for r in read_out(out)}) == kept + summary["done"]
+
+
+def test_the_start_up_line_shows_what_vllm_is_doing_without_its_prefix(tmp_path):
+    from eyas.core.engine import last_line
+
+    log = tmp_path / "engine.log"
+    log.write_text("(APIServer pid=2846) INFO 12-02 12:23:38 [api_utils.py:347] version 0.32.0\n"
+                   "(EngineCore pid=2952) WARNING 12-02 12:24:13 [cpu.py:224] Triton is not installed.\n\n")
+    assert last_line(log) == "Triton is not installed."
+    log.write_text("Traceback (most recent call last):\n")
+    assert last_line(log) == "Traceback (most recent call last):"
+    assert last_line(tmp_path / "none.log") == ""

@@ -1,7 +1,8 @@
 """Real-engine fixtures: a vLLM OpenAI-compatible server on 127.0.0.1, started and always stopped by the tests.
 
-Which Python runs vLLM (the first that imports it): $EYAS_VLLM_PYTHON, /tmp/vllm-venv/bin/python, or the
-Python running pytest. vLLM pins its own torch, so it usually lives in a venv of its own; the tests only talk
+Which Python runs vLLM (the first that imports it): $EYAS_VLLM_PYTHON, the environment `scripts/setup-vllm.sh`
+makes ($EYAS_CACHE/vllm-venv, where `--engine vllm` looks too), /tmp/vllm-venv/bin/python, or the Python running
+pytest. vLLM pins its own torch, so it usually lives in a venv of its own; the tests only talk
 to it over HTTP. With none of them, every test here is skipped with the reason.
 
 A server runs in its own process group (vLLM forks an engine-core and a worker process); stopping it sends
@@ -53,7 +54,11 @@ def find_vllm_python() -> tuple[str | None, str]:
     tried = []
     env = os.environ.get("EYAS_VLLM_PYTHON")
     candidates = [("$EYAS_VLLM_PYTHON", env)] if env else []
-    candidates += [("the default venv", DEFAULT_VENV_PYTHON), ("this Python", sys.executable)]
+    from eyas.core.engine import VENV
+    from eyas.core.paths import cache_dir
+
+    candidates += [("scripts/setup-vllm.sh's venv", str(cache_dir() / VENV / "bin" / "python")),
+                   ("the default venv", DEFAULT_VENV_PYTHON), ("this Python", sys.executable)]
     for how, python in candidates:
         if not python or not (shutil.which(python) or Path(python).is_file()):
             tried.append(f"{how} ({python}): not found")

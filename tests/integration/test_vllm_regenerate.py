@@ -149,3 +149,51 @@ def test_sigkill_mid_run_then_rerun_resumes_without_duplicates_or_gaps(runs, pla
     assert summary["skipped"] == len(before) and summary["done"] == N - len(before) and summary["failed"] == 0
     seq = by_id(runs["sequential"][1])
     assert by_id(out) == seq, "resumed answers differ from the sequential run's"
+
+
+# -- eyas regenerate --engine vllm: eyas starts the real vLLM itself (issue 24) -------------------------------------
+ENGINE_N = 8  # MT-Bench conversations, both turns
+
+
+def engine_cmd(target: Path, out: Path, python: str, port: int, *more: str) -> list[str]:
+    return ["regenerate", "--target", str(target), "--data", "mt-bench", "--max-samples", str(ENGINE_N),
+            "--max-new-tokens", "64", "--dtype", "float32", "--out", str(out), "--json", "--engine", "vllm",
+            "--engine-python", python, "--engine-port", str(port), *more]
+
+
+def vllm_processes() -> list[str]:
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
+    return [line for line in ps if "vllm.entrypoints" in line or "VLLM::" in line]
+
+
+def test_engine_vllm_answers_as_the_local_decoder_and_is_stopped(vllm_python, smollm2_folder, eyas, tmp_path):
+    from tests.integration.conftest import free_port
+
+    before = vllm_processes()
+    out = tmp_path / "engine.jsonl"
+    t0 = time.perf_counter()
+    r = subprocess.run(eyas.cmd(*engine_cmd(smollm2_folder, out, vllm_python, free_port())), env=eyas.env,
+                       capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    wall = time.perf_counter() - t0
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    print("\n" + figures("--engine vllm (start-up included)", summary, wall))
+    assert summary["backend"] == "engine" and summary["done"] == ENGINE_N and summary["failed"] == 0, summary
+    assert vllm_processes() == before, "the engine eyas started is still running"
+    assert "Application startup complete" in Path(f"{out}.engine.log").read_text(errors="replace")
+    assert json.loads(Path(f"{out}.settings.json").read_text())["engine"] == "vllm"
+
+    local = tmp_path / "local.jsonl"
+    r = subprocess.run(eyas.cmd("regenerate", "--target", str(smollm2_folder), "--data", "mt-bench", "--max-samples",
+                                str(ENGINE_N), "--max-new-tokens", "64", "--dtype", "float32", "--generator", "lean",
+                                "--out", str(local), "--json"), env=eyas.env, capture_output=True, text=True,
+                       timeout=RUN_TIMEOUT_S)
+    assert r.returncode == 0, r.stderr[-3000:]
+    engine_replies, local_replies = by_id(out), by_id(local)
+    assert sorted(engine_replies) == sorted(local_replies)
+    # float32 on both sides, but two different kernels: a reply may part at a near-tie of the target's logits.
+    # Turn 1 starts from the same prompt, so it is compared one reply at a time.
+    same = [i for i in local_replies if engine_replies[i][1] == local_replies[i][1]]
+    print(f"[integration] --engine vllm against the local decoder, float32: {len(same)}/{ENGINE_N} first replies "
+          "identical")
+    assert len(same) >= ENGINE_N - 1, f"first replies differ for {sorted(set(local_replies) - set(same))}"

@@ -279,15 +279,19 @@ def tail(log: Path | None, n: int = LOG_TAIL) -> str:
     return "\n".join("  " + line for line in shown)
 
 
+LOG_PREFIX = re.compile(r"^\(\w+ pid=\d+\)\s+[A-Z]+\s+\d\d-\d\d [\d:]+ \[[^\]]*\]\s*")  # (APIServer pid=1) INFO ...
+
+
 def last_line(log: Path) -> str:
-    """The log's last non-empty line (what the engine is doing while it starts)."""
+    """The log's last non-empty line (what the engine is doing while it starts), without vLLM's prefix of process,
+    level, time and source line."""
     try:
         with open(log, "rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
             lines = [x for x in f.read().decode("utf-8", "replace").splitlines() if x.strip()]
     except OSError:
         return ""
-    return lines[-1].strip() if lines else ""
+    return LOG_PREFIX.sub("", lines[-1].strip()) if lines else ""
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:

@@ -63,7 +63,7 @@ class EngineBackend(ServerBackend):
         try:
             self.server = Server.start(argv, home, log, cfg.engine_port, cfg.engine_startup_s, cfg.timeout,
                                        task="regeneration",
-                                       on_wait=lambda line: (bar.set_postfix_str(line[-70:]), bar.update()))
+                                       on_wait=lambda line: (bar.set_postfix_str(line[:70]), bar.update()))
         finally:
             bar.close()
         self.max_prompt = prompt_limit(self.server.max_model_len, cfg)
