@@ -32,16 +32,16 @@ def _same_target(monkeypatch, tiny_target):
     monkeypatch.setattr("eyas.draft.importer.load_target_shell", lambda spec, **kw: tiny_target)
 
 
-def make_checkpoint(target, folder: Path, draft_vocab: int = 500, seed: int = 0) -> Eagle3Draft:
+def make_checkpoint(target, folder: Path, draft_vocab: int = 500, seed: int = 0, fc_norm: bool = False) -> Eagle3Draft:
     """A trained-looking eyas checkpoint for the tiny target: target embeddings/head, random everything else."""
-    dc = DraftConfig.for_target(target, draft_vocab_size=draft_vocab)
+    dc = DraftConfig.for_target(target, draft_vocab_size=draft_vocab, fc_norm=fc_norm)
     m = Eagle3Draft(dc)
     g = torch.Generator().manual_seed(seed)
     vocab = build_draft_vocab(torch.randint(0, 100, (target.vocab_size,), generator=g).numpy(), draft_vocab)
     m.init_weights(target.embed_tokens().weight, target.lm_head().weight, vocab.d2t, seed=seed)
     with torch.no_grad():
         for name, p in m.named_parameters():
-            if name.endswith("norm.weight"):
+            if "norm" in name and p.dim() == 1:
                 p.add_(torch.randn(p.shape, generator=g) * 0.1)  # not all ones, so a lost norm shows
     save_draft(m, folder, extra={"training": {"steps": 7, "loss": 2.5}, "evaluation": {"tau": 1.9}})
     return m
@@ -64,9 +64,15 @@ def assert_same(a: Eagle3Draft, b: Eagle3Draft):
 
 
 @pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
-def test_round_trip_identical(tiny_target, tmp_path, fmt):
-    m = make_checkpoint(tiny_target, tmp_path / "ckpt")
+@pytest.mark.parametrize("fc_norm", [False, True])
+def test_round_trip_identical(tiny_target, tmp_path, fmt, fc_norm):
+    m = make_checkpoint(tiny_target, tmp_path / "ckpt", fc_norm=fc_norm)
     export(tmp_path / "ckpt", fmt, tmp_path / fmt)
+    # vLLM's names for EAGLE-3.1's per-feature norms (llama_eagle3.py: config fc_norm, weights fc_norm.{i})
+    written = load_file(str(tmp_path / fmt / "model.safetensors"))
+    assert json.loads((tmp_path / fmt / "config.json").read_text())["fc_norm"] is fc_norm
+    assert sorted(k for k in written if k.startswith("fc_norm.")) == \
+        (["fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"] if fc_norm else [])
     s = import_(tmp_path / fmt, tmp_path / "back")
     back = read_draft(tmp_path / "back")
     assert_same(m, back)
@@ -176,7 +182,8 @@ def _broken(tmp_path, tiny_target, fmt="eagle3", edit_w=None, edit_cfg=None) -> 
     (lambda w: w.update({"fc.weight": torch.zeros(64, 64)}), None,
      r"'fc.weight' has shape \[64, 64\], expected \[64, 192\]"),
     (lambda w: w.pop("d2t"), None, "missing weight 'd2t'"),
-    (lambda w: w.update({"fc_norm.0.weight": torch.ones(64)}), None, "unexpected weight 'fc_norm.0.weight'"),
+    (lambda w: w.update({"fc_norm.0.weight": torch.ones(64)}), None, "weight 'fc_norm.0.weight' must be absent"),
+    (None, lambda c: c.update({"fc_norm": True}), "missing weight 'fc_norm.0.weight'"),
     (lambda w: w.update({"d2t": torch.zeros(500, dtype=torch.long)}), None, "'t2d' disagrees with 'd2t'"),
     (None, lambda c: c.update({"architectures": ["LlamaForCausalLM"]}), "unknown draft format"),
     (None, lambda c: c.update({"norm_before_residual": True}), "norm_before_residual"),

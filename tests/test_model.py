@@ -176,3 +176,30 @@ def test_preallocated_cache_equals_concatenation_and_keeps_committed_positions(m
         h2, _ = m(ids[:, 3:5], aux[:, 3:5], torch.arange(3, 5)[None], committed)
         h2_ref, _ = _cat_reference(m, ids[:, 3:5], aux[:, 3:5], torch.arange(3, 5)[None], committed_ref)
         torch.testing.assert_close(h2, h2_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_fc_norm_normalises_each_target_feature_before_fc(tmp_path):
+    """EAGLE-3.1's fc_norm: fc(cat(w_i * x_i / rms(x_i))) over the three features, by hand; each feature's scale
+    no longer reaches the draft; saved and read back with the flag."""
+    cfg = DraftConfig(hidden_size=H, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+                      vocab_size=V, draft_vocab_size=20, target_hidden_size=H, feature_layers=(2, 3, 4), fc_norm=True)
+    m = Eagle3Draft(cfg)
+    g = torch.Generator().manual_seed(1)
+    m.init_weights(torch.randn(V, H, generator=g), torch.randn(V, H, generator=g), torch.zeros(20, dtype=torch.long))
+    assert all(torch.equal(n.weight, torch.ones(H)) for n in m.fc_norm)  # initialised as the other norms
+    with torch.no_grad():
+        for n in m.fc_norm:
+            n.weight.copy_(torch.rand(H, generator=g) + 0.5)
+    aux = torch.randn(2, 5, 3 * H, generator=g) * torch.tensor([1.0, 30.0, 0.01]).repeat_interleave(H)
+    parts = aux.split(H, dim=-1)
+    by_hand = torch.cat([n.weight * x / x.pow(2).mean(-1, keepdim=True).add(cfg.rms_norm_eps).sqrt()
+                         for n, x in zip(m.fc_norm, parts)], dim=-1) @ m.fc.weight.T
+    with torch.no_grad():
+        assert torch.allclose(m.fuse(aux), by_hand, atol=1e-5)
+        scaled = torch.cat((parts[0] * 100, parts[1], parts[2]), dim=-1)
+        assert torch.allclose(m.fuse(scaled), m.fuse(aux), atol=1e-4)  # the scale of a feature is gone
+    save_draft(m, tmp_path / "d")
+    back = read_draft(tmp_path / "d")
+    assert back.cfg.fc_norm and torch.equal(back.fc_norm[2].weight, m.fc_norm[2].weight)
+    plain = small_draft()
+    assert plain.fc_norm is None and "fc_norm.0.weight" not in plain.state_dict()

@@ -411,3 +411,22 @@ def test_data_fraction_trains_a_share_and_leaves_the_validation_samples_alone(st
     assert held[-1]["samples"] == 8
     with pytest.raises(EyasError, match="--data-fraction 0"):
         TrainConfig(data_fraction=0)
+
+
+def test_feature_noise_changes_training_reproducibly_and_is_refused_when_negative(store, tmp_path):
+    def losses(name, **kw):
+        run(TrainConfig(quiet=True, store=str(store), out=str(tmp_path / name), max_steps=3, **SMALL, **kw))
+        return [m["loss"] for m in metrics(tmp_path / name)]
+
+    plain, noisy, again = losses("plain"), losses("noisy", feature_noise=0.5), losses("again", feature_noise=0.5)
+    assert noisy == again  # the noise comes from the seeded RNG
+    assert noisy[0] != plain[0]  # the first step's loss already sees it
+    with pytest.raises(EyasError, match="--feature-noise -0.1 is negative"):
+        TrainConfig(feature_noise=-0.1)
+
+
+def test_fc_norm_trains_the_feature_norms_and_the_checkpoint_says_so(store, tmp_path):
+    run(TrainConfig(quiet=True, store=str(store), out=str(tmp_path / "n"), max_steps=3, fc_norm=True, lr=1e-2, **SMALL))
+    draft = read_draft(tmp_path / "n" / "final")
+    assert draft.cfg.fc_norm
+    assert all(not torch.equal(n.weight, torch.ones_like(n.weight)) for n in draft.fc_norm)  # trained, not left at 1

@@ -42,7 +42,7 @@ _DTYPE_CHECK = {"float": torch.is_floating_point, "int64": lambda t: t.dtype == 
 # Keys of foreign checkpoints that carry nothing the draft computes with (speculators' training-only copies).
 IGNORED_KEYS = ("verifier_lm_head.weight", "verifier_norm.weight")
 # EAGLE-3 variants eyas's draft does not implement: importing them would silently compute something else.
-VARIANT_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+VARIANT_FLAGS = ("norm_before_residual", "norm_before_fc", "norm_output")  # fc_norm is implemented (DraftConfig)
 
 
 # -- the engine list --------------------------------------------------------------------------------------------
@@ -56,7 +56,7 @@ def dims(dc: DraftConfig) -> dict[str, int]:
     """The shape symbols of engine_keys.json for one draft."""
     return {"H": dc.hidden_size, "Ht": dc.target_hidden_size, "V": dc.vocab_size, "Vd": dc.draft_vocab_size,
             "I": dc.intermediate_size, "Nq": dc.num_attention_heads, "Nkv": dc.num_key_value_heads,
-            "D": dc.head_dim}
+            "D": dc.head_dim, "fc_norm": int(dc.fc_norm)}
 
 
 def shape_of(expr: list[str], d: dict[str, int]) -> tuple[int, ...]:
@@ -66,7 +66,8 @@ def shape_of(expr: list[str], d: dict[str, int]) -> tuple[int, ...]:
 
 def present(rule: str, d: dict[str, int]) -> bool | None:
     """True: must be there, False: must not be, None: may be."""
-    return {"required": True, "optional": None, "iff Vd != V": d["Vd"] != d["V"]}[rule]
+    rules = {"required": True, "optional": None, "iff Vd != V": d["Vd"] != d["V"], "iff fc_norm": bool(d["fc_norm"])}
+    return rules[rule]
 
 
 def check_weights(fmt: str, tensors: dict[str, torch.Tensor], d: dict[str, int], where: str,
@@ -86,8 +87,9 @@ def check_weights(fmt: str, tensors: dict[str, torch.Tensor], d: dict[str, int],
                                 f"(shape {list(shape_of(s['shape'], d))})", "export the draft again, or complete it")
             continue
         if need is False and key not in relaxed:
-            raise EyasError(f"{where}: weight {key!r} must be absent", "the draft vocabulary is the whole vocabulary "
-                            "(vLLM then has no parameter for it)", f"drop {key!r}")
+            why = "the config has no fc_norm" if s["presence"] == "iff fc_norm" else \
+                "the draft vocabulary is the whole vocabulary (vLLM then has no parameter for it)"
+            raise EyasError(f"{where}: weight {key!r} must be absent", why, f"drop {key!r}")
         t, want = tensors[key], shape_of(s["shape"], d)
         if tuple(t.shape) != want:
             raise EyasError(f"{where}: weight {key!r} has shape {list(t.shape)}, expected {list(want)}",
@@ -112,6 +114,8 @@ def check_config(fmt: str, cfg: dict, dc: DraftConfig, where: str) -> None:
             want = s["value"]
         elif "dim" in s:
             want = d[s["dim"]]
+        elif "flag" in s:  # a variant switch of the draft's own config
+            want = bool(getattr(dc, s["flag"]))
         elif "layers" in s:
             want = hf if s["layers"] == "hf" else [i - 1 for i in hf]
         else:  # free-form fields (lists, the verifier's path, which may be null) only need to exist
@@ -158,7 +162,7 @@ def eagle3_config(dc: DraftConfig, dtype: str, provenance: dict) -> dict:
     hf = list(dc.feature_layers)
     return {"architectures": ["LlamaForCausalLMEagle3"], **_llama_fields(dc, dtype),
             "draft_vocab_size": dc.draft_vocab_size, "target_hidden_size": dc.target_hidden_size,
-            "norm_before_residual": False,
+            "norm_before_residual": False, "fc_norm": dc.fc_norm,
             "eagle_aux_hidden_state_layer_ids": hf,  # vLLM: HF hidden_states indices
             "eagle_config": {"use_aux_hidden_state": True,  # SGLang: decoder-layer index = HF index - 1
                              "eagle_aux_hidden_state_layer_ids": [i - 1 for i in hf]},
@@ -175,7 +179,7 @@ def speculators_config(dc: DraftConfig, dtype: str, verifier: tuple[str | None, 
             "transformer_layer_config": _llama_fields(dc, dtype),
             "draft_vocab_size": dc.draft_vocab_size, "target_hidden_size": dc.target_hidden_size,
             # explicit: vLLM's speculators translation defaults norm_before_residual to TRUE when absent
-            "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+            "norm_before_residual": False, "norm_before_fc": False, "fc_norm": dc.fc_norm, "norm_output": False,
             "embed_requires_grad": False, "eagle_aux_hidden_state_layer_ids": list(dc.feature_layers),
             "tie_word_embeddings": False, "dtype": dtype, "eyas": provenance}
 

@@ -130,6 +130,7 @@ def foreign_config(raw: dict, layer: dict, target, given: tuple[int, ...], where
                      head_dim=layer.get("head_dim") or H // heads, vocab_size=V,
                      draft_vocab_size=raw.get("draft_vocab_size") or layer.get("draft_vocab_size") or V,
                      target_hidden_size=Ht, feature_layers=tuple(layers), num_layers=1,
+                     fc_norm=bool(raw.get("fc_norm", layer.get("fc_norm", False))),
                      rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
                      rope_theta=float(rope.get("rope_theta", layer.get("rope_theta", 10000.0))),
                      max_position_embeddings=int(layer.get("max_position_embeddings", 8192)),

@@ -1,14 +1,15 @@
 """The EAGLE-3 draft model, in pure PyTorch (no ranks, no I/O: its folder is eyas.draft.checkpoint's).
 
-    aux [B,T,3Ht] --fc--> g [B,T,H]          (target's low|mid|high features fused; first step only)
+    aux [B,T,3Ht] --fc--> g [B,T,H]          (target's low|mid|high features fused; first step only; with fc_norm
+                                              each of the three is RMS-normalised first, as EAGLE-3.1)
     e = embed(token) [B,T,H]                  (frozen target embeddings)
     x = cat(input_layernorm(e), hidden_norm(g)) [B,T,2H]  -> attention (q/k/v in 2H) -> + g (residual)
       -> post_attention_layernorm -> MLP -> + residual  = h [B,T,H]   (fed forward to the next draft step)
     logits = lm_head(norm(h)) [B,T,Vd]        (draft vocabulary; target id = d + d2t[d])
 
 Parameter names are the Hugging Face Llama ones under `midlayer.` plus `fc`, `norm`, `lm_head`, `d2t`,
-`t2d`: the names vLLM's and SGLang's `LlamaForCausalLMEagle3` load. Extra layers (num_layers > 1) are plain
-Llama layers named `layers.{i}`.
+`t2d` (and `fc_norm.{0,1,2}` with fc_norm): the names vLLM's and SGLang's `LlamaForCausalLMEagle3` load. Extra
+layers (num_layers > 1) are plain Llama layers named `layers.{i}`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class DraftConfig:
     target_hidden_size: int
     feature_layers: tuple[int, ...] = (2, 15, 27)  # HF hidden_states indices of the target's low/mid/high features
     num_layers: int = 1
+    fc_norm: bool = False  # an RMSNorm on each target feature before fc (EAGLE-3.1; vLLM's `fc_norm`)
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
@@ -63,7 +65,8 @@ class DraftConfig:
         return cls(**d)
 
     @classmethod
-    def for_target(cls, target, draft_vocab_size: int, feature_layers=None, num_layers: int = 1) -> "DraftConfig":
+    def for_target(cls, target, draft_vocab_size: int, feature_layers=None, num_layers: int = 1,
+                   fc_norm: bool = False) -> "DraftConfig":
         """The draft shape EAGLE-3 uses: the target's own layer shape."""
         tc = target.text_config
         heads = int(tc.num_attention_heads)
@@ -84,6 +87,7 @@ class DraftConfig:
                    vocab_size=target.vocab_size, draft_vocab_size=draft_vocab_size,
                    target_hidden_size=target.hidden_size,
                    feature_layers=tuple(feature_layers or target.default_feature_layers()), num_layers=num_layers,
+                   fc_norm=fc_norm,
                    rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
                    rope_theta=float(theta or getattr(tc, "rope_theta", 10000.0)),
                    max_position_embeddings=int(getattr(tc, "max_position_embeddings", 8192)),
@@ -233,6 +237,8 @@ class Eagle3Draft(nn.Module):
         H = cfg.hidden_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
         self.embed_tokens.weight.requires_grad_(False)  # the target's embeddings, frozen
+        self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(3)) \
+            if cfg.fc_norm else None
         self.fc = nn.Linear(3 * cfg.target_hidden_size, H, bias=False)
         self.midlayer = DraftLayer(cfg, first=True)
         self.layers = nn.ModuleList(DraftLayer(cfg, first=False) for _ in range(cfg.num_layers - 1))
@@ -247,6 +253,8 @@ class Eagle3Draft(nn.Module):
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """aux [B,T,3Ht] (low|mid|high target features) -> [B,T,H]."""
+        if self.fc_norm is not None:
+            aux = torch.cat([norm(x) for norm, x in zip(self.fc_norm, aux.chunk(3, dim=-1))], dim=-1)
         return self.fc(aux)
 
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype):
@@ -299,11 +307,11 @@ class Eagle3Draft(nn.Module):
         | lm_head            | the target's output-head rows of the draft vocabulary |
         | d2t, t2d           | from the draft vocabulary (eyas.draft.vocab)                |
         | fc, attention, MLP | normal(0, 0.02), as Llama                             |
-        | norms              | ones                                                  |
+        | norms (fc_norm too)| ones                                                  |
         """
         g = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") or name.startswith("fc_norm."):
                 p.fill_(1.0)
             elif p.dim() == 2:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)

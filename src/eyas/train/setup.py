@@ -110,7 +110,7 @@ def setup(cfg, env, con) -> TrainParts:
     data_record = skipped_data(train_src, ckpt, con)
     target, layer_ids = load_checked_target(cfg, env, dtype, (train_src, val_src))
     vocab_info, d2t = draft_vocab(cfg, env, target, train_src, ckpt)
-    draft_cfg = DraftConfig.for_target(target, int(d2t.numel()), layer_ids, cfg.num_layers)
+    draft_cfg = DraftConfig.for_target(target, int(d2t.numel()), layer_ids, cfg.num_layers, cfg.fc_norm)
     draft, head_rows = build_draft(cfg, env, dtype, target, draft_cfg, d2t, ckpt)
     model = wrap(TTTObjective(draft, cfg.ttt_steps), cfg.parallel, env)
     optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, env.device)

@@ -85,6 +85,10 @@ class TrainConfig(StageConfig):
     draft_vocab: int = opt(32000, "draft vocabulary size (capped at the target's vocabulary)")
     num_layers: int = opt(1, "draft decoder layers")
     freeze_head: bool = opt(False, "keep the draft's lm_head at the target's rows (fewer trainable parameters)")
+    fc_norm: bool = opt(False, "RMS-normalise each of the three target features before the draft's fc layer "
+                               "(EAGLE-3.1; exported as vLLM's fc_norm)")
+    feature_noise: float = opt(0.0, "add Gaussian noise of this standard deviation to the target's features the "
+                                    "draft reads, in training only (speculators uses 0.05; 0 = off)")
     dtype: str = opt("auto", "compute dtype: bf16 autocast, fp32, or auto (bf16 where the hardware has it)",
                      choices=("auto", "bf16", "fp32"))
     parallel: str = opt("ddp", "data parallelism over ranks: ddp, or fsdp (FSDP2 fully_shard)", choices=("ddp", "fsdp"))
@@ -116,6 +120,8 @@ class TrainConfig(StageConfig):
         check(0 < self.data_fraction <= 1, f"train: --data-fraction {self.data_fraction} outside (0, 1]",
               "e.g. 0.25 for a quarter of the samples")
         check(0 < self.step_decay <= 1, f"train: --step-decay {self.step_decay} outside (0, 1]", "EAGLE-3 uses 0.8")
+        check(self.feature_noise >= 0, f"train: --feature-noise {self.feature_noise} is negative",
+              "give 0 (off) or a standard deviation such as 0.05")
         check(self.grad_clip >= 0, f"train: --grad-clip {self.grad_clip} is negative", "give 0 (off) or e.g. 0.5")
         check(not self.online or bool(self.data), "train: --online needs the prepared dataset (--data DIR)",
               "pass --data DIR, the folder eyas prepare wrote")
@@ -228,7 +234,7 @@ class Trainer:
         valid = [valid_masks(b.input_ids, b.loss_mask, b.doc_ids, self.t2d_host, k) for b in window]  # [k,B,T]
         local = torch.stack([v.sum((1, 2)) for v in valid]).sum(0).tolist()
         totals = dist.all_reduce_sum(local + [sum(b.samples for b in window), sum(b.tokens for b in window)], env)
-        batches = [self.prepare(b) for b in window]
+        batches = [self.noisy(self.prepare(b)) for b in window]
         valid = [v.to(env.device, non_blocking=True) for v in valid]
         counts = torch.tensor(totals[:k], dtype=torch.float32)
         scale = (p.weights / counts.clamp(min=1) * env.world_size).to(env.device)  # [k]
@@ -266,6 +272,12 @@ class Trainer:
         batch = batch.to(self.env.device, feat)
         if self.cfg.online:
             batch = capture_features(self.parts.target, self.parts.layer_ids, batch).to(self.env.device, feat)
+        return batch
+
+    def noisy(self, batch):
+        """The batch with --feature-noise added to its target features (from torch's seeded, checkpointed RNG)."""
+        if self.cfg.feature_noise:
+            batch.aux = batch.aux + self.cfg.feature_noise * torch.randn_like(batch.aux)
         return batch
 
     def clip(self) -> torch.Tensor:
