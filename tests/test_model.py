@@ -203,3 +203,23 @@ def test_fc_norm_normalises_each_target_feature_before_fc(tmp_path):
     assert back.cfg.fc_norm and torch.equal(back.fc_norm[2].weight, m.fc_norm[2].weight)
     plain = small_draft()
     assert plain.fc_norm is None and "fc_norm.0.weight" not in plain.state_dict()
+
+
+def test_init_from_layer_refuses_another_shape_and_a_missing_weight():
+    m = small_draft()
+    layer = {k.replace("hidden_norm", "input_layernorm"): v.clone() for k, v in m.midlayer.state_dict().items()
+             if not k.startswith("input_layernorm")}
+    layer["self_attn.q_proj.weight"] = layer["self_attn.q_proj.weight"][:, H:]  # a target layer reads H, not 2H
+    assert len(m.init_from_layer(layer)) == 9
+    layer["mlp.up_proj.weight"] = torch.zeros(7, H)
+    try:
+        m.init_from_layer(layer)
+        raise AssertionError("a wrong shape was taken")
+    except ValueError as e:
+        assert "mlp.up_proj.weight is [7, 16]" in str(e)
+    del layer["mlp.up_proj.weight"]
+    try:
+        m.init_from_layer(layer)
+        raise AssertionError("a missing weight was taken")
+    except ValueError as e:
+        assert "no weight 'mlp.up_proj.weight'" in str(e)

@@ -430,3 +430,17 @@ def test_fc_norm_trains_the_feature_norms_and_the_checkpoint_says_so(store, tmp_
     draft = read_draft(tmp_path / "n" / "final")
     assert draft.cfg.fc_norm
     assert all(not torch.equal(n.weight, torch.ones_like(n.weight)) for n in draft.fc_norm)  # trained, not left at 1
+
+
+def test_init_from_target_starts_the_draft_layer_from_the_targets_last_layer(store, tmp_path, tiny_target):
+    run(TrainConfig(quiet=True, store=str(store), out=str(tmp_path / "i"), max_steps=1, init_from_target=True,
+                    lr=1e-12, **SMALL))
+    mid = dict(read_draft(tmp_path / "i" / "final").midlayer.named_parameters())
+    last = dict(tiny_target.decoder_layers()[-1].named_parameters())
+    H = tiny_target.hidden_size
+    close = lambda a, b: torch.allclose(a.float(), b.float(), atol=1e-6)  # noqa: E731 (one step at lr 1e-12)
+    assert close(mid["self_attn.q_proj.weight"][:, H:], last["self_attn.q_proj.weight"])
+    assert close(mid["self_attn.v_proj.weight"][:, H:], last["self_attn.v_proj.weight"])
+    assert close(mid["mlp.down_proj.weight"], last["mlp.down_proj.weight"])
+    assert close(mid["hidden_norm.weight"], last["input_layernorm.weight"])
+    assert not close(mid["self_attn.q_proj.weight"][:, :H], last["self_attn.q_proj.weight"])  # embedding half: own

@@ -322,6 +322,32 @@ class Eagle3Draft(nn.Module):
         self.t2d[ids] = True
         self.lm_head.weight.copy_(head[ids.to(head.device)])
 
+    @torch.no_grad()
+    def init_from_layer(self, layer: dict[str, torch.Tensor]) -> list[str]:
+        """Start the draft layer from a target decoder layer's weights (Hugging Face Llama names, relative to the
+        layer: self_attn.q_proj.weight, ...), instead of random ones. The attention reads [norm(embeds), hidden]
+        of twice the width: the layer's q/k/v weights go to the hidden half (the fused features, which stand where
+        the layer's input stood), the embedding half keeps its initialisation; the target's input norm becomes
+        hidden_norm; o_proj, the MLP and the post-attention norm are copied. -> the parameters set. A shape that
+        differs (a target whose layers are not the draft's shape) is refused."""
+        H, done = self.cfg.hidden_size, []
+        own = dict(self.midlayer.named_parameters())
+        plan = {f"self_attn.{x}_proj.weight": (f"self_attn.{x}_proj.weight", slice(H, 2 * H)) for x in "qkv"}
+        plan |= {k: (k, None) for k in ("self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                                        "mlp.down_proj.weight", "post_attention_layernorm.weight")}
+        plan["hidden_norm.weight"] = ("input_layernorm.weight", None)
+        for mine, (theirs, cols) in plan.items():
+            if theirs not in layer:
+                raise ValueError(f"the target layer has no weight {theirs!r}")
+            dst = own[mine] if cols is None else own[mine][:, cols]
+            src = layer[theirs]
+            if tuple(src.shape) != tuple(dst.shape):
+                raise ValueError(f"the target layer's {theirs} is {list(src.shape)}, the draft's {mine} needs "
+                                 f"{list(dst.shape)}")
+            dst.copy_(src.to(dst.dtype))
+            done.append(mine)
+        return done
+
     def trainable_parameters(self):
         return [p for p in self.parameters() if p.requires_grad]
 

@@ -266,11 +266,24 @@ def build_draft(cfg, env, dtype: str, target, draft_cfg: DraftConfig, d2t: torch
         draft.load_state_dict(ckpt.model_state)
     else:
         draft.init_weights(embed, head, d2t, seed=cfg.seed)
+        if cfg.init_from_target:
+            init_from_target(draft, target)
     compute = torch.float32 if dtype == "fp32" else torch.bfloat16
     head_rows = head[draft.target_ids().to(head.device)].to(env.device, compute)  # [Vd,H] frozen: the target's p
     if cfg.freeze_head:
         draft.lm_head.weight.requires_grad_(False)
     return draft.to(env.device), head_rows
+
+
+def init_from_target(draft: Eagle3Draft, target) -> None:
+    """--init-from-target: the draft layer starts from the target's last decoder layer (read by name from its
+    checkpoint, like the embeddings: no other layer is loaded)."""
+    last = read_module(target, target.decoder_layers()[-1])
+    try:
+        draft.init_from_layer(dict(last.state_dict()))
+    except ValueError as e:
+        raise EyasError(f"train: --init-from-target: {e}", "the draft layer has the target's layer shape only for "
+                        "plain (Llama-style) attention", "drop --init-from-target for this target") from None
 
 
 def samplers(cfg, env) -> tuple[ShardSpec, ShardSpec]:

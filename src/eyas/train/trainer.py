@@ -85,6 +85,8 @@ class TrainConfig(StageConfig):
     draft_vocab: int = opt(32000, "draft vocabulary size (capped at the target's vocabulary)")
     num_layers: int = opt(1, "draft decoder layers")
     freeze_head: bool = opt(False, "keep the draft's lm_head at the target's rows (fewer trainable parameters)")
+    init_from_target: bool = opt(False, "start the draft layer from the target's last decoder layer instead of "
+                                        "random weights (its q/k/v on the hidden half of the input)")
     fc_norm: bool = opt(False, "RMS-normalise each of the three target features before the draft's fc layer "
                                "(EAGLE-3.1; exported as vLLM's fc_norm)")
     feature_noise: float = opt(0.0, "add Gaussian noise of this standard deviation to the target's features the "
