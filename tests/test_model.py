@@ -209,7 +209,8 @@ def test_init_from_layer_refuses_another_shape_and_a_missing_weight():
     m = small_draft()
     layer = {k.replace("hidden_norm", "input_layernorm"): v.clone() for k, v in m.midlayer.state_dict().items()
              if not k.startswith("input_layernorm")}
-    layer["self_attn.q_proj.weight"] = layer["self_attn.q_proj.weight"][:, H:]  # a target layer reads H, not 2H
+    for x in "qkv":  # a target layer reads H, not 2H
+        layer[f"self_attn.{x}_proj.weight"] = layer[f"self_attn.{x}_proj.weight"][:, H:]
     assert len(m.init_from_layer(layer)) == 9
     layer["mlp.up_proj.weight"] = torch.zeros(7, H)
     try:
