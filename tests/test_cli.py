@@ -98,3 +98,18 @@ def test_a_dtype_from_a_toml_table_is_normalised_or_refused():
     assert from_mapping(TrainConfig, {"dtype": "bfloat16"}).dtype == "bf16"
     with pytest.raises(EyasError, match="dtype 'int4' in arguments is not one eyas knows"):
         from_mapping(TrainConfig, {"dtype": "int4"})
+
+
+@pytest.mark.parametrize("name", ["smollm2-recipe", "smollm2-ablations"])
+def test_every_stage_of_the_example_configs_is_a_valid_config(name, tmp_path):
+    """The examples are what `eyas run` is told to run for hours: a misspelt or removed setting must fail here."""
+    from pathlib import Path
+
+    from eyas.core.config import load_toml
+    from eyas.pipeline.demo import stages_from_toml
+
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.toml"
+    stages = stages_from_toml(load_toml(path), tmp_path / name, str(path))
+    assert len(stages) >= 6 and len({s.name for s in stages}) == len(stages)
+    trains = [s for s in stages if s.command == "train"]
+    assert trains and all(s.nproc == 2 and s.settings["resume"] for s in trains)
