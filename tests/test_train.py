@@ -403,10 +403,12 @@ def test_data_fraction_trains_a_share_and_leaves_the_validation_samples_alone(st
     s = run(TrainConfig(quiet=True, store=str(store), out=str(tmp_path / "half"), data_fraction=0.5, **SMALL))
     assert s["samples"] == 16  # half of the 32 samples, once each
     plan = json.loads((tmp_path / "half" / "plan.json").read_text())
-    assert any("--data-fraction 0.5: 16 of the 32 samples" in line for line in plan["lines"])
+    assert any("--data-fraction 0.5: 16 of the 32 training samples" in line for line in plan["lines"])
     v = run(TrainConfig(quiet=True, store=str(store), out=str(tmp_path / "vq"), val_fraction=0.25, data_fraction=0.25,
                         **SMALL))
     assert v["samples"] == 6  # a quarter of the 24 left after 8 are held out
+    lines = json.loads((tmp_path / "vq" / "plan.json").read_text())["lines"]
+    assert any("--data-fraction 0.25: 6 of the 24 training samples" in line for line in lines)
     held = [json.loads(x) for x in (tmp_path / "vq" / "validation.jsonl").read_text().splitlines()]
     assert held[-1]["samples"] == 8
     with pytest.raises(EyasError, match="--data-fraction 0"):

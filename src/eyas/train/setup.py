@@ -214,8 +214,9 @@ def sources(cfg):
         keep, held = split_holdout(len(train), cfg.val_fraction, cfg.seed)
         train, val = Subset(train, keep), Subset(train, held)
     if cfg.data_fraction < 1:  # a share of what is left for training; the held-out samples stay as they are
-        share = nested_share(len(train), cfg.data_fraction, cfg.seed)
+        before, share = len(train), nested_share(len(train), cfg.data_fraction, cfg.seed)
         train = Subset(train.source, train.indices[share]) if isinstance(train, Subset) else Subset(train, share)
+        train.share_of = before  # the training samples it is a share of (the plan says so)
     return train, val
 
 
@@ -312,7 +313,8 @@ def make_plan(cfg, env, con, train_src, spec: ShardSpec, vocab: dict, threads: t
     lines = []
     if cfg.data_fraction < 1:
         lines.append(f"data: --data-fraction {cfg.data_fraction:g}: {fmt_int(len(lengths))} of the "
-                     f"{fmt_int(data['samples'])} samples ({fmt_int(int(lengths.sum()))} tokens), a seeded share")
+                     f"{fmt_int(train_src.share_of)} training samples ({fmt_int(int(lengths.sum()))} tokens), a "
+                     "seeded share")
     if cfg.max_tokens:
         lines.append(f"packing: {fmt_int(len(lengths))} samples -> {fmt_int(units[0])} sequences of at most "
                      f"{fmt_int(cfg.max_tokens)} tokens in epoch 1 (global); the plan's samples are these sequences")
