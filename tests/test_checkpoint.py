@@ -131,3 +131,16 @@ def test_sigkill_and_resume_gives_the_same_losses(tiny_target, tmp_path):
     vb = [json.loads(x) for x in (out / "validation.jsonl").read_text().splitlines()]
     assert va == vb
     assert summary["steps"] == 30
+
+
+def test_a_checkpoint_of_an_older_eyas_resumes_when_the_new_settings_are_at_their_defaults(tmp_path):
+    """Settings added since (fc_norm, data_fraction...) ran at their defaults then: no refusal for their absence,
+    but a refusal when this run sets one of them otherwise."""
+    defaults = TrainConfig().to_dict()
+    older = {k: v for k, v in defaults.items() if k not in ("fc_norm", "data_fraction")}
+    state = {"world_size": 2, "config": json.loads(json.dumps(older, default=str))}
+    check_resumable(tmp_path, state, defaults, 2, defaults=defaults)
+    with pytest.raises(EyasError, match=r"fc_norm: False -> True"):
+        check_resumable(tmp_path, state, {**defaults, "fc_norm": True}, 2, defaults=defaults)
+    with pytest.raises(EyasError, match=r"fc_norm: None -> False"):  # without defaults, as before
+        check_resumable(tmp_path, state, defaults, 2)

@@ -73,6 +73,8 @@ def test_round_trip_identical(tiny_target, tmp_path, fmt, fc_norm):
     assert json.loads((tmp_path / fmt / "config.json").read_text())["fc_norm"] is fc_norm
     assert sorted(k for k in written if k.startswith("fc_norm.")) == \
         (["fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"] if fc_norm else [])
+    card = (tmp_path / fmt / "README.md").read_text()
+    assert ("sglang.launch_server" in card) is (fmt == "eagle3" and not fc_norm)  # SGLang unchecked for fc_norm
     s = import_(tmp_path / fmt, tmp_path / "back")
     back = read_draft(tmp_path / "back")
     assert_same(m, back)

@@ -218,7 +218,14 @@ def test_init_from_layer_refuses_another_shape_and_a_missing_weight():
         raise AssertionError("a wrong shape was taken")
     except ValueError as e:
         assert "mlp.up_proj.weight is [7, 16]" in str(e)
-    del layer["mlp.up_proj.weight"]
+    layer["mlp.up_proj.weight"] = torch.zeros(32, H)
+    layer["self_attn.q_proj.bias"] = torch.zeros(16)  # a Qwen2 layer: the draft layer has no bias to take it
+    try:
+        m.init_from_layer(layer)
+        raise AssertionError("a bias was dropped")
+    except ValueError as e:
+        assert "weights the draft layer lacks: self_attn.q_proj.bias" in str(e)
+    del layer["self_attn.q_proj.bias"], layer["mlp.up_proj.weight"]
     try:
         m.init_from_layer(layer)
         raise AssertionError("a missing weight was taken")

@@ -139,6 +139,10 @@ def test_the_start_up_line_shows_what_vllm_is_doing_without_its_prefix(tmp_path)
     log.write_text("(APIServer pid=2846) INFO 12-02 12:23:38 [api_utils.py:347] version 0.32.0\n"
                    "(EngineCore pid=2952) WARNING 12-02 12:24:13 [cpu.py:224] Triton is not installed.\n\n")
     assert last_line(log) == "Triton is not installed."
+    log.write_text("INFO 12-02 12:23:30 [__init__.py:216] Automatically detected platform cpu.\n")
+    assert last_line(log) == "Automatically detected platform cpu."
+    log.write_text("(VllmWorker TP0 pid=7) INFO 12-02 12:24:13 [cpu_worker.py:1] Warming up\n")
+    assert last_line(log) == "Warming up"
     log.write_text("Traceback (most recent call last):\n")
     assert last_line(log) == "Traceback (most recent call last):"
     assert last_line(tmp_path / "none.log") == ""

@@ -493,3 +493,18 @@ def test_data_scaling_curve_points_trend_and_extrapolation_by_hand(tmp_path):
 
 def test_no_scaling_section_without_drafts_of_different_data(demo):
     assert "scaling" not in demo[2].sections
+
+
+def test_drafts_of_one_amount_of_data_make_no_curve(tmp_path):
+    """Ablations (several drafts, each trained on the same samples) are not a data-scaling curve."""
+    run_dir = make_run(tmp_path / "ablations")
+    r = str(run_dir)
+    _w(run_dir / "curve" / "a" / "plan.json", {**PLAN, "tokens": 434000})
+    _w(run_dir / "curve" / "a" / "final" / "config.json", {})
+    res = results(samples=False)
+    res["settings"]["draft"] = f"{r}/train/final"  # train/plan.json: 434,000 tokens too
+    res["configs"] = [_config("eagle3 chain k=5", "eagle3", 5, 1.5, 1.2, [0.4]),
+                      _config("a/final chain k=5", f"{r}/curve/a/final", 5, 1.1, 0.9, [0.2])]
+    _w(run_dir / "evaluate" / "ab" / "results.json", res)
+    _marker(run_dir, "evaluate-ab", "evaluate", {"draft": f"{r}/train/final", "out": f"{r}/evaluate/ab"}, {}, 1.0)
+    assert "scaling" not in report(run_dir)[1].sections

@@ -279,7 +279,8 @@ def tail(log: Path | None, n: int = LOG_TAIL) -> str:
     return "\n".join("  " + line for line in shown)
 
 
-LOG_PREFIX = re.compile(r"^\(\w+ pid=\d+\)\s+[A-Z]+\s+\d\d-\d\d [\d:]+ \[[^\]]*\]\s*")  # (APIServer pid=1) INFO ...
+# "(APIServer pid=1) INFO 12-02 12:23:38 [api_utils.py:347] ", the process part absent from the first lines
+LOG_PREFIX = re.compile(r"^(\([^)]*pid=\d+\)\s+)?[A-Z]+\s+\d\d-\d\d [\d:.]+ \[[^\]]*\]\s*")
 
 
 def last_line(log: Path) -> str:

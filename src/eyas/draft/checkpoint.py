@@ -268,8 +268,9 @@ RESUMABLE_CHANGES = {"quiet", "json", "resume", "checkpoint_every", "keep_checkp
                      "skip_bad_shards"}  # the data it leaves out is compared on its own (train_setup.skipped_data)
 
 
-def check_resumable(folder: Path, state: dict, config: dict, world_size: int) -> None:
-    """Refuse to resume under a different world size or with settings that change the computation."""
+def check_resumable(folder: Path, state: dict, config: dict, world_size: int, defaults: dict | None = None) -> None:
+    """Refuse to resume under a different world size or with settings that change the computation. `defaults`: the
+    settings' default values, taken for those a checkpoint written by an older eyas does not record."""
     if state["world_size"] != world_size:
         raise EyasError(
             f"cannot resume {folder}: it was written by a run with {state['world_size']} ranks, this run has "
@@ -277,8 +278,9 @@ def check_resumable(folder: Path, state: dict, config: dict, world_size: int) ->
             "each rank's share of the epoch and the position within it depend on the world size",
             f"resume with the same number of ranks (torchrun --nproc_per_node ... giving {state['world_size']} in "
             f"all), or start a new run in another --out folder")
-    old = state.get("config", {})
     config = json.loads(json.dumps(config, default=str))  # tuples -> lists, as they were stored
+    # a setting added to eyas after the checkpoint was written ran at its default then; `defaults` names them
+    old = {**{k: v for k, v in (defaults or {}).items() if k not in state.get("config", {})}, **state.get("config", {})}
     changed = changed_settings(old, config, ignore=RESUMABLE_CHANGES)
     if changed:
         diffs = ", ".join(f"{k}: {old.get(k)!r} -> {config.get(k)!r}" for k in changed[:6])

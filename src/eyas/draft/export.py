@@ -296,7 +296,7 @@ def run(cfg: ExportConfig) -> dict:
     size = (out / WEIGHTS_FILE).stat().st_size
     summary = {"format": cfg.format, "out": str(out), "tensors": len(tensors), "bytes": size, "dtype": cfg.dtype,
                "draft_vocab_size": dc.draft_vocab_size, "vllm_layer_ids": list(dc.feature_layers),
-               "sglang_layer_ids": [i - 1 for i in dc.feature_layers], "verifier": verifier[0]}
+               "sglang_layer_ids": [i - 1 for i in dc.feature_layers], "verifier": verifier[0], "fc_norm": dc.fc_norm}
     con.summary(f"export: {cfg.format} draft -> {out} ({len(tensors)} tensors, {fmt_bytes(size)}, {cfg.dtype}; "
                 f"layer ids vLLM {summary['vllm_layer_ids']} / SGLang {summary['sglang_layer_ids']})")
     return summary
@@ -370,11 +370,13 @@ def model_card(fmt: str, dc: DraftConfig, meta: dict, verifier: str | None) -> s
     data = meta.get("data") or (meta.get("training") or {}).get("data")
     run = ("vLLM: `python -m vllm.entrypoints.openai.api_server --model TARGET --speculative-config "
            "'{\"method\": \"eagle3\", \"model\": \"THIS_FOLDER\", \"num_speculative_tokens\": 3}'`\n\n"
-           "SGLang: `python -m sglang.launch_server --model-path TARGET --speculative-algorithm EAGLE3 "
-           "--speculative-draft-model-path THIS_FOLDER`") if fmt == "eagle3" else (
+           + ("SGLang: not checked for drafts with `fc_norm` (EAGLE-3.1's feature norms); serve this one with vLLM"
+              if dc.fc_norm else "SGLang: `python -m sglang.launch_server --model-path TARGET "
+              "--speculative-algorithm EAGLE3 --speculative-draft-model-path THIS_FOLDER`")) if fmt == "eagle3" else (
            f"vLLM: `vllm serve THIS_FOLDER` or `python -m vllm.entrypoints.openai.api_server --model THIS_FOLDER` "
            f"(serves the verifier `{verifier}`; edit `speculators_config.verifier.name_or_path` to move it)\n\n"
-           "speculators: `Eagle3DraftModel.from_pretrained(\"THIS_FOLDER\")`")
+           + ("speculators' own loader was not checked for `fc_norm` drafts" if dc.fc_norm else
+              "speculators: `Eagle3DraftModel.from_pretrained(\"THIS_FOLDER\")`"))
     return f"""# EAGLE-3 draft for {t.get('name', 'an unrecorded target')}
 
 Written by `eyas export --format {fmt}`. Every key, shape and config field follows the engines' loaders

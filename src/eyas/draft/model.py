@@ -329,13 +329,17 @@ class Eagle3Draft(nn.Module):
         of twice the width: the layer's q/k/v weights go to the hidden half (the fused features, which stand where
         the layer's input stood), the embedding half keeps its initialisation; the target's input norm becomes
         hidden_norm; o_proj, the MLP and the post-attention norm are copied. -> the parameters set. A shape that
-        differs (a target whose layers are not the draft's shape) is refused."""
+        differs (a target whose layers are not the draft's shape), or a weight the draft layer lacks (biases, q/k
+        norms), is refused."""
         H, done = self.cfg.hidden_size, []
         own = dict(self.midlayer.named_parameters())
         plan = {f"self_attn.{x}_proj.weight": (f"self_attn.{x}_proj.weight", slice(H, 2 * H)) for x in "qkv"}
         plan |= {k: (k, None) for k in ("self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
                                         "mlp.down_proj.weight", "post_attention_layernorm.weight")}
         plan["hidden_norm.weight"] = ("input_layernorm.weight", None)
+        left = sorted(set(layer) - {theirs for theirs, _ in plan.values()})
+        if left:  # biases (Qwen2), q/k norms (Qwen3): the draft layer has nowhere to put them
+            raise ValueError(f"the target layer has weights the draft layer lacks: {', '.join(left)}")
         for mine, (theirs, cols) in plan.items():
             if theirs not in layer:
                 raise ValueError(f"the target layer has no weight {theirs!r}")

@@ -435,7 +435,7 @@ def sec_evaluation(f: RunFiles, d: Loaded) -> tuple[str, bool]:
               "target latencies allow with zero overhead; efficiency = measured / predicted.</p>"), True
 
 
-def sec_scaling(f: RunFiles, d: Loaded) -> tuple[str, bool] | None:
+def sec_scaling(f: RunFiles, d: Loaded) -> str | None:
     """Drafts trained on more or less of the same data, evaluated side by side (eyas.report.scaling); None (no
     section) when no evaluation holds two of them."""
     curves = []
@@ -443,7 +443,7 @@ def sec_scaling(f: RunFiles, d: Loaded) -> tuple[str, bool] | None:
         out = marker.get("settings", "out")
         res = f.json(f.resolve(out) / "results.json") if isinstance(out, str) else None
         pts = scaling.points(res.data, f.resolve, lambda p: f.json(p).data) if res else []
-        if len(pts) >= 2:
+        if len({p.tokens for p in pts}) >= 2:  # drafts of one amount of data (ablations) make no curve
             curves.append((name, res, pts, scaling.trend(pts)))
     if not curves:
         return None
@@ -521,7 +521,10 @@ def _serve(exports: list[tuple[str, Doc]]) -> str:
     lines = []
     for _, m in exports:
         fmt, out = m.get("summary", "format"), m.get("summary", "out")
-        if fmt == "eagle3":
+        if fmt == "eagle3" and m.get("summary", "fc_norm"):
+            lines += ["# vLLM, given the target model (TARGET); SGLang was not checked for fc_norm drafts",
+                      f"vllm serve TARGET --speculative-config '{{\"method\": \"eagle3\", \"model\": \"{out}\"}}'"]
+        elif fmt == "eagle3":
             lines += ["# SGLang or vLLM, given the target model (TARGET)",
                       f"python -m sglang.launch_server --model-path TARGET --speculative-algorithm EAGLE3 "
                       f"--speculative-draft-model-path {out}",

@@ -188,7 +188,7 @@ def resume_point(cfg, env, con, out: Path) -> ResumePoint | None:
                         "rank 0 chose it, but this node's file system does not have it",
                         "put --out on a file system every node shares")
     ckpt = ResumePoint(Path(choice), *load_checkpoint(choice))
-    check_resumable(ckpt.folder, ckpt.state, cfg.to_dict(), env.world_size)
+    check_resumable(ckpt.folder, ckpt.state, cfg.to_dict(), env.world_size, defaults=type(cfg)().to_dict())
     p = Progress.from_state(ckpt.state)
     con.print(f"resume: {choice} (step {fmt_int(p.step)}, epoch {p.epoch + 1}, step {fmt_int(p.step_in_epoch)} "
               "within it)")

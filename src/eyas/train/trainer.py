@@ -236,7 +236,7 @@ class Trainer:
         valid = [valid_masks(b.input_ids, b.loss_mask, b.doc_ids, self.t2d_host, k) for b in window]  # [k,B,T]
         local = torch.stack([v.sum((1, 2)) for v in valid]).sum(0).tolist()
         totals = dist.all_reduce_sum(local + [sum(b.samples for b in window), sum(b.tokens for b in window)], env)
-        batches = [self.noisy(self.prepare(b)) for b in window]
+        batches = [self.noisy(self.prepare(b), j) for j, b in enumerate(window)]
         valid = [v.to(env.device, non_blocking=True) for v in valid]
         counts = torch.tensor(totals[:k], dtype=torch.float32)
         scale = (p.weights / counts.clamp(min=1) * env.world_size).to(env.device)  # [k]
@@ -276,10 +276,14 @@ class Trainer:
             batch = capture_features(self.parts.target, self.parts.layer_ids, batch).to(self.env.device, feat)
         return batch
 
-    def noisy(self, batch):
-        """The batch with --feature-noise added to its target features (from torch's seeded, checkpointed RNG)."""
+    def noisy(self, batch, micro: int):
+        """The batch with --feature-noise added to its target features: a generator seeded by the seed, rank, step
+        and micro-batch, so ranks draw different noise and a resumed run the noise the uninterrupted one drew."""
         if self.cfg.feature_noise:
-            batch.aux = batch.aux + self.cfg.feature_noise * torch.randn_like(batch.aux)
+            seed = ((self.cfg.seed * 1_000_003 + self.env.rank) * 1_000_003 + self.progress.step) * 1_024 + micro
+            g = torch.Generator(device=batch.aux.device).manual_seed(seed % 2**63)
+            noise = torch.randn(batch.aux.shape, generator=g, device=batch.aux.device, dtype=batch.aux.dtype)
+            batch.aux = batch.aux + self.cfg.feature_noise * noise
         return batch
 
     def clip(self) -> torch.Tensor:
