@@ -151,7 +151,7 @@ def scaling_chart(series: Sequence[tuple[str, Sequence[float], Sequence[float], 
     """Points (label, xs, ys, trend) on a log x axis; trend (a, b): the dashed line y = a + b ln(x) over the points'
     span and a factor of 4 beyond it."""
     import matplotlib.pyplot as plt  # heavy: loaded only where a plot is drawn
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter  # heavy: loaded only where a plot is drawn
 
     with plt.rc_context(_style()):
         fig, ax = _figure()
