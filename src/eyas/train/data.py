@@ -108,8 +108,9 @@ class PreparedSource:
 class Subset:
     """Some samples of a source (a validation hold-out), with the source's interface."""
 
-    def __init__(self, source, indices: np.ndarray):
+    def __init__(self, source, indices: np.ndarray, share_of: int | None = None):
         self.source, self.indices = source, np.asarray(indices, dtype=np.int64)
+        self.share_of = share_of  # with --data-fraction: the training samples this is a share of
         self.lengths = np.asarray(source.lengths)[self.indices]
         self.identity = getattr(source, "identity", {})
 

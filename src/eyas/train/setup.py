@@ -215,8 +215,8 @@ def sources(cfg):
         train, val = Subset(train, keep), Subset(train, held)
     if cfg.data_fraction < 1:  # a share of what is left for training; the held-out samples stay as they are
         before, share = len(train), nested_share(len(train), cfg.data_fraction, cfg.seed)
-        train = Subset(train.source, train.indices[share]) if isinstance(train, Subset) else Subset(train, share)
-        train.share_of = before  # the training samples it is a share of (the plan says so)
+        source, indices = (train.source, train.indices[share]) if isinstance(train, Subset) else (train, share)
+        train = Subset(source, indices, share_of=before)
     return train, val
 
 
