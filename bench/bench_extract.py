@@ -156,13 +156,16 @@ def read_batches(store: Path, passes: int, max_tokens: int) -> tuple[float, int]
 def engine_figures(args, target, data: Path, cfg: ExtractConfig, out: Path) -> None:
     """4. extraction through a vLLM engine (started once, attached to: its start-up is timed apart) against local
     extraction and the bare forward pass, alternated in one run, each over the same samples."""
+    from eyas.core.engine import cpu_env
     from eyas.core.target import resolve_source
     from eyas.store.engine import VllmEngine, vllm_layer_ids
 
     t0 = time.perf_counter()
     ids = vllm_layer_ids(target.default_feature_layers(), target.num_layers)
+    env, threads = cpu_env()
+    print(threads)
     engine = VllmEngine.start(args.engine_python, str(resolve_source(args.target)[1]), ids, out / "engine-tmp",
-                              out / "engine.log", 8299, f"--dtype bfloat16 {args.engine_args}")
+                              out / "engine.log", 8299, f"--dtype bfloat16 {args.engine_args}", env=env)
     startup = time.perf_counter() - t0
     ecfg = dataclass_replace(cfg, store=str(out / "store-engine"), engine="vllm", engine_url=engine.url,
                              concurrency=args.concurrency)

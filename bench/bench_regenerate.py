@@ -26,7 +26,8 @@ attention over the context, a few per cent more at these lengths, is left out, s
     python bench/bench_regenerate.py --data chitchat --samples 64 --max-turns 3 --max-new-tokens 96   # the recipe's
     python bench/bench_regenerate.py --methods slots server --server http://127.0.0.1:8000 --concurrency 16 64
     python bench/bench_regenerate.py --methods slots hf engine --concurrency 64 128 256   # the issue's targets
-    python bench/bench_regenerate.py --methods engine --concurrency 128 --hogs 0 1 2   # beside busy processes
+    python bench/bench_regenerate.py --methods engine --concurrency 128 --hogs 0 1 2 --engine-bind eyas vllm
+                                                      # beside busy processes: eyas's thread choice and vLLM's own
     python bench/bench_regenerate.py --attention      # the single-query attention alone: cost per call and per column
 
 `--attention` times eyas.core.generate.decode_attention on SmolLM2-135M's shapes over a cache slice, against
@@ -82,6 +83,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--hogs", type=int, nargs="+", default=[0],
                     help="run everything beside this many busy processes (python -c 'while True: pass'), each in turn")
+    ap.add_argument("--engine-bind", nargs="+", default=["eyas"], choices=["eyas", "vllm"],
+                    help="the engine's threads: eyas's choice from the free cores (eyas.core.engine.cpu_env) or "
+                         "vLLM's own binding, one thread to each core (VLLM_CPU_OMP_THREADS_BIND=auto); with "
+                         "several --hogs the engine starts anew beside each number of busy processes")
     ap.add_argument("--attention", action="store_true", help="time the single-query attention alone")
     a = ap.parse_args()
     if a.attention:
@@ -102,8 +107,10 @@ def main() -> None:
     backends = {}
     results: dict[tuple[str, str], list[float]] = {}
     replies: dict[tuple[str, str], dict] = {}
-    runs = [(m, f"batch {b}", b) for b in a.batch for m in a.methods if m not in ("server", "engine")]
-    runs += [(m, f"concurrency {c}", c) for m in ("server", "engine") for c in a.concurrency if m in a.methods]
+    runs = [(m, f"batch {b}", b, "") for b in a.batch for m in a.methods if m not in ("server", "engine")]
+    runs += [("server", f"concurrency {c}", c, "") for c in a.concurrency if "server" in a.methods]
+    runs += [("engine", f"concurrency {c}" + (f", {bind}" if len(a.engine_bind) > 1 else ""), c, bind)
+             for c in a.concurrency for bind in a.engine_bind if "engine" in a.methods]
     engine_out = Path(tempfile.mkdtemp(prefix="bench-regenerate-")) / "engine.jsonl"  # the engine's log beside it
     loaded: dict[tuple[str, str, int], float] = {}
     try:
@@ -111,8 +118,8 @@ def main() -> None:
             procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(hogs)]
             try:
                 for _ in range(a.repeats):
-                    for m, setting, n in runs:  # alternated: a slow spell of the machine hits every method
-                        backend = backend_for(a, m, n, backends, con, engine_out)
+                    for m, setting, n, bind in runs:  # alternated: a slow spell of the machine hits every method
+                        backend = backend_for(a, m, n, backends, con, engine_out, bind)
                         cfg = backend.cfg
                         todo, _ = pending(cfg, set(), Issues())
                         sink = Tally()
@@ -127,6 +134,9 @@ def main() -> None:
                         print(f"  {m:8s} {setting:15s} {hogs} busy: {sink.tokens:6d} reply tokens in "
                               f"{seconds:6.1f} s = {sink.tokens / seconds:6.1f} tokens/s", flush=True)
             finally:
+                if len(a.hogs) > 1:  # the engine chooses its threads at start-up: a new one beside the next load
+                    for key in [k for k in backends if k[0] == "engine"]:
+                        backends.pop(key).close()
                 for proc in procs:
                     proc.kill()
                     proc.wait()
@@ -138,15 +148,16 @@ def main() -> None:
     if len(a.hogs) > 1:
         print("beside busy processes (each against the first column):")
         print(f"{'method':8s} {'setting':16s} " + " ".join(f"{f'{h} busy':>17s}" for h in a.hogs))
-        for m, setting, _ in runs:
+        for m, setting, _, _ in runs:
             q = loaded[m, setting, a.hogs[0]]
             print(f"{m:8s} {setting:16s} " + " ".join(
                 f"{loaded[m, setting, h]:8.1f} ({loaded[m, setting, h] / q:4.2f}x)" for h in a.hogs))
 
 
-def backend_for(a, m: str, n: int, backends: dict, con, engine_out: Path):
+def backend_for(a, m: str, n: int, backends: dict, con, engine_out: Path, bind: str = ""):
     """The backend of method `m` at batch size / concurrency `n`: one loaded target per generator, one engine
-    for every concurrency (started once; its start-up is printed, not counted)."""
+    for every concurrency per thread binding (started once; its start-up and threads are printed, not counted)."""
+    from eyas.core.engine import cpu_env
     from eyas.data.engine import EngineBackend
     from eyas.data.regenerate import LocalBackend, RegenerateConfig
     from eyas.data.server import ServerBackend
@@ -157,10 +168,22 @@ def backend_for(a, m: str, n: int, backends: dict, con, engine_out: Path):
                            engine_python=a.engine_python, engine_args=a.engine_args, max_new_tokens=a.max_new_tokens,
                            max_turns=a.max_turns,
                            dtype=a.dtype, generator=gen, quiet=True, out=str(engine_out))
-    key = m if m in ("server", "engine") else gen
+    key = (m, bind) if m in ("server", "engine") else (gen, "")
     if key not in backends:
-        t0 = time.perf_counter()
-        backends[key] = {"server": ServerBackend, "engine": EngineBackend}.get(m, LocalBackend)(cfg, con)
+        own = {"VLLM_CPU_OMP_THREADS_BIND": "auto"} if bind == "vllm" else {}
+        saved = {k: os.environ.get(k) for k in own}
+        os.environ.update(own)
+        try:
+            if m == "engine":
+                print(f"  {cpu_env()[1]}", flush=True)
+            t0 = time.perf_counter()
+            backends[key] = {"server": ServerBackend, "engine": EngineBackend}.get(m, LocalBackend)(cfg, con)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k)
+                else:
+                    os.environ[k] = v
         if m == "engine":
             print(f"  engine: vLLM started in {time.perf_counter() - t0:.0f} s (not counted)", flush=True)
     backend = backends[key]

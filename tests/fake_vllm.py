@@ -63,6 +63,8 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=getattr(torch, a.dtype)).eval()
     print(f"fake vllm: serving {a.model}" + ("" if generating else f" with layer ids {ids} into {shared}"),
           flush=True)
+    print("fake vllm: threads " + " ".join(f"{k}={os.environ.get(k)}"  # what eyas chose for vLLM's threads
+                                           for k in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")), flush=True)
     record = os.environ.get("FAKE_VLLM_REQUESTS")
 
     def generate(body: dict) -> dict:

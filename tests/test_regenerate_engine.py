@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from eyas.core.engine import GROUP_FILE
+from eyas.core.engine import GROUP_FILE, cpu_env
 from eyas.core.errors import EyasError
 from eyas.core.target import load_target
 from eyas.data.chat import ChatRenderer
@@ -47,6 +47,7 @@ def test_the_engine_answers_as_the_local_backend_and_is_stopped(folder, tmp_path
     data = make_data(tmp_path, 6)
     requests = tmp_path / "requests.jsonl"
     monkeypatch.setenv("FAKE_VLLM_REQUESTS", str(requests))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the user's count: the engine gets it too
     local = run(config(data, tmp_path / "local.jsonl", folder, generator="lean", batch_size=3))
     out = tmp_path / "engine.jsonl"
     summary = run(config(data, out, folder, **engine(tmp_path)))
@@ -62,6 +63,9 @@ def test_the_engine_answers_as_the_local_backend_and_is_stopped(folder, tmp_path
     assert all(b["stop_token_ids"] == renderer.stop_token_ids() and b["max_tokens"] == 5 for b in sent)
     home, log = engine_paths(out)
     assert "fake vllm: serving" in log.read_text()  # the engine's log is kept beside the output
+    env, _ = cpu_env()  # its threads: the user's 1 of 2 cores, unbound (on a 1-core machine, vLLM's own binding)
+    assert (f"fake vllm: threads VLLM_CPU_OMP_THREADS_BIND={env.get('VLLM_CPU_OMP_THREADS_BIND')} "
+            f"OMP_NUM_THREADS={env.get('OMP_NUM_THREADS', '1')}") in log.read_text()
     assert not alive(int((home / GROUP_FILE).read_text()))  # stopped, with its whole process group
     assert json.loads(out.with_name(out.name + ".settings.json").read_text())["engine"] == "vllm"
 

@@ -103,3 +103,35 @@ def test_real_hogs_are_seen(tmp_path):
             h.kill()
             h.wait()
     assert n == 1 and "busy with other work" in why, why
+
+
+@pytest.mark.parametrize("others,bind,omp", [(0.0, None, None), (1.0, "nobind", "1"), (2.0, "nobind", "1")])
+def test_an_engine_gets_the_free_cores(monkeypatch, others, bind, omp):
+    """vLLM binds a thread to each core it is given and keeps it: on a loaded machine it gets as many threads as
+    cores are free, unbound; on a quiet one its own binding. torch's own count is left alone."""
+    from eyas.core.engine import cpu_env
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    fake = FakeStat(monkeypatch)
+    fake.others = others
+    torch.set_num_threads(2)
+    env, line = cpu_env()
+    assert env.get("VLLM_CPU_OMP_THREADS_BIND") == bind and env.get("OMP_NUM_THREADS") == omp
+    assert ("unbound" in line) == (bind == "nobind") and "2 cores" in line
+    assert torch.get_num_threads() == 2
+
+
+def test_an_engine_keeps_the_users_binding_and_count(monkeypatch):
+    from eyas.core.engine import cpu_env
+
+    fake = FakeStat(monkeypatch)
+    fake.others = 2.0
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    env, line = cpu_env()
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in env and "OMP_NUM_THREADS" not in env and "yours" in line
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's count: the engine gets it, vLLM binds it
+    env, line = cpu_env()
+    assert "OMP_NUM_THREADS" not in env and "vLLM's own binding" in line
+    fake.others = 0.0
+    assert cpu_env(ranks_on_node=2)[0].get("VLLM_CPU_OMP_THREADS_BIND") is None  # 1 core each: its share

@@ -88,21 +88,38 @@ def check_vllm(python: str, extraction: bool = False) -> str:
     return version
 
 
-def cpu_env() -> dict:
-    """What vLLM's CPU build gets on a machine without CUDA, unless the user set it:
+def cpu_env(ranks_on_node: int = 1) -> tuple[dict, str]:
+    """What vLLM's CPU build gets on a machine without CUDA, unless the user set it, and a line saying what its
+    threads will be and why ('' on a GPU):
     - a KV cache of CPU_KV_CACHE_GIB: without one vLLM reserves 92% of the machine's memory and refuses to start
       when another process holds some;
     - no core kept apart on a machine of FEW_CORES or fewer: vLLM keeps one for its HTTP front end, which on two
       cores halves the cores that compute (SmolLM2-135M bf16, GSM8K, 128 in flight, AMD EPYC 2 cores: 438 tokens/s
-      with the reserved core, 652 without; docs/regenerate.md)."""
+      with the reserved core, 652 without; docs/regenerate.md);
+    - its threads, from the cores other work leaves free (eyas.core.threads, as for eyas's own; this engine's
+      share of them when `ranks_on_node` engines start on the node). vLLM binds one OpenMP thread to each core it
+      is given and keeps them for the whole run, so beside a busy process the thread whose core is taken holds
+      up the others (0.30x of its quiet throughput beside one, docs/regenerate.md). Where fewer cores are free
+      than its share, it gets that many threads, unbound (VLLM_CPU_OMP_THREADS_BIND=nobind, OMP_NUM_THREADS), so
+      the scheduler places them beside the other work. A VLLM_CPU_OMP_THREADS_BIND of the user's is kept."""
     import torch  # heavy: only where an engine starts
 
+    from eyas.core.threads import Threads
+
     if torch.cuda.is_available():
-        return {}
+        return {}, ""
     env = {} if "VLLM_CPU_KVCACHE_SPACE" in os.environ else {"VLLM_CPU_KVCACHE_SPACE": CPU_KV_CACHE_GIB}
     if "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ and len(os.sched_getaffinity(0)) <= FEW_CORES:
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
-    return env
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return env, f"engine threads: VLLM_CPU_OMP_THREADS_BIND={os.environ['VLLM_CPU_OMP_THREADS_BIND']} (yours)"
+    threads = Threads(0, ranks_on_node)
+    n, why = threads.choose()
+    if n >= threads.share:
+        return env, f"engine threads: vLLM's own binding, one thread to each of its cores ({why})"
+    env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(n))
+    return env, (f"engine threads: {n}, unbound ({why}); fixed for the run: vLLM cannot change them once started, "
+                 "so start it on a quiet machine for full speed")
 
 
 def engine_model(spec: str) -> tuple[str, list[str]]:
@@ -135,9 +152,10 @@ class Server:
     def start(cls, argv: list[str], home: Path, log: Path, port: int, startup_s: float = 1800.0,
               timeout: float = 600.0, env: dict | None = None, task: str = "its work",
               on_wait: Callable[[str], None] | None = None) -> Server:
-        """Start `argv` (server_argv) in its own process group, its state in `home`; wait until it serves (or fails:
-        its log's tail is shown), calling `on_wait(the log's last line)` every poll. A free port is checked first: a
-        server already there is never used."""
+        """Start `argv` (server_argv) in its own process group, its state in `home`, with `env` over this process's
+        environment (cpu_env's, on a CPU); wait until it serves (or fails: its log's tail is shown), calling
+        `on_wait(the log's last line)` every poll. A free port is checked first: a server already there is never
+        used."""
         with socket.socket() as probe:
             if probe.connect_ex(("127.0.0.1", port)) == 0:
                 raise EyasError(f"port {port} is already in use", "another server (another eyas run?) listens there",
@@ -148,7 +166,7 @@ class Server:
         name = f"eyas-{uuid.uuid4().hex[:12]}"
         with open(log, "ab") as out:
             proc = subprocess.Popen([*argv, "--served-model-name", name], stdout=out, stderr=subprocess.STDOUT,
-                                    env={**os.environ, **cpu_env(), **(env or {})}, start_new_session=True,
+                                    env={**os.environ, **(env or {})}, start_new_session=True,
                                     preexec_fn=_die_with_parent)
         (home / GROUP_FILE).write_text(str(proc.pid))  # its process group, for a rerun after eyas was killed
         try:

@@ -95,13 +95,19 @@ class Threads:
         self.last_check = 0.0
         self.why = self.fixed
 
-    def apply(self) -> tuple[int, str]:
-        """Choose and set the count: (threads, why)."""
+    def choose(self) -> tuple[int, str]:
+        """Choose the count (measuring the free cores unless it is fixed): (threads, why). torch is not touched: for
+        a process of another kind that takes the count (a vLLM engine, eyas.core.engine.cpu_env)."""
         if not self.fixed:
             self.sampler = Sampler(self.cores)
             time.sleep(SAMPLE_S)
             self.n, self.why = self._choose(self.sampler.others())
             self.last_check = time.monotonic()
+        return self.n, self.why
+
+    def apply(self) -> tuple[int, str]:
+        """Choose and set torch's count: (threads, why)."""
+        self.choose()
         if torch.get_num_threads() != self.n:
             torch.set_num_threads(self.n)
         return self.n, self.why

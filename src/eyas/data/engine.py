@@ -55,14 +55,16 @@ class EngineBackend(ServerBackend):
                 *cfg.engine_args.split()]
         home, log = engine_paths(Path(cfg.out))
         argv = server_argv(python, model, cfg.engine_port, args)
-        env = cpu_env()
+        env, threads = cpu_env()
         con.print(f"engine: starting vLLM {version} on port {cfg.engine_port} (log {log})"
                   + (f", {' '.join(f'{k}={v}' for k, v in env.items())} (CPU defaults; set them to change)"
                      if env else "") + "; by hand: " + " ".join(argv))
+        if threads:
+            con.print(threads)
         bar = con.progress(desc="vLLM start", unit="poll", bar_format="{desc}: {elapsed} {postfix}")
         try:
             self.server = Server.start(argv, home, log, cfg.engine_port, cfg.engine_startup_s, cfg.timeout,
-                                       task="regeneration",
+                                       env, task="regeneration",
                                        on_wait=lambda line: (bar.set_postfix_str(line[:70]), bar.update()))
         finally:
             bar.close()

@@ -33,7 +33,7 @@ import torch
 
 from eyas.core import dist
 from eyas.core.config import StageConfig, changed_settings, check, opt
-from eyas.core.engine import check_vllm, engine_model, vllm_python
+from eyas.core.engine import check_vllm, cpu_env, engine_model, vllm_python
 from eyas.core.errors import EyasError, disk_full
 from eyas.core.files import check_writable, read_json, write_json
 from eyas.core.log import console, fmt_bytes, fmt_duration, fmt_int
@@ -502,10 +502,11 @@ def open_engine(cfg, env, con, target, layer_ids: list[int], longest: int) -> Vl
         extra += f" --max-model-len {longest + 1}"  # the longest prompt, and the one token a completion asks for
     extra += f" {cfg.engine_args}"
     port = cfg.engine_port + env.local_rank
+    cpu, threads = cpu_env(env.local_world_size)
     con.print(f"engine: starting vLLM {version} on port {port} (log {log}); by hand: "
-              f"{engine_command(python, model, ids, tmp, port, extra)}")
+              f"{engine_command(python, model, ids, tmp, port, extra)}" + (f"\n{threads}" if threads else ""))
     return VllmEngine.start(python, model, ids, tmp, log, port, extra, cfg.engine_startup_s,
-                            env=gpu_share(env))
+                            env={**cpu, **gpu_share(env)})
 
 
 def gpu_share(env) -> dict:
