@@ -110,7 +110,7 @@ def main() -> None:
     runs = [(m, f"batch {b}", b, "") for b in a.batch for m in a.methods if m not in ("server", "engine")]
     runs += [("server", f"concurrency {c}", c, "") for c in a.concurrency if "server" in a.methods]
     runs += [("engine", f"concurrency {c}" + (f", {bind}" if len(a.engine_bind) > 1 else ""), c, bind)
-             for c in a.concurrency for bind in a.engine_bind if "engine" in a.methods]
+             for bind in a.engine_bind for c in a.concurrency if "engine" in a.methods]  # one engine at a time
     engine_out = Path(tempfile.mkdtemp(prefix="bench-regenerate-")) / "engine.jsonl"  # the engine's log beside it
     loaded: dict[tuple[str, str, int], float] = {}
     try:
@@ -156,7 +156,8 @@ def main() -> None:
 
 def backend_for(a, m: str, n: int, backends: dict, con, engine_out: Path, bind: str = ""):
     """The backend of method `m` at batch size / concurrency `n`: one loaded target per generator, one engine
-    for every concurrency per thread binding (started once; its start-up and threads are printed, not counted)."""
+    for every concurrency of a thread binding (one engine at a time; its start-up and threads are printed, not
+    counted)."""
     from eyas.core.engine import cpu_env
     from eyas.data.engine import EngineBackend
     from eyas.data.regenerate import LocalBackend, RegenerateConfig
@@ -170,6 +171,9 @@ def backend_for(a, m: str, n: int, backends: dict, con, engine_out: Path, bind: 
                            dtype=a.dtype, generator=gen, quiet=True, out=str(engine_out))
     key = (m, bind) if m in ("server", "engine") else (gen, "")
     if key not in backends:
+        if m == "engine":  # one engine at a time: an idle one beside would be other work
+            for other in [k for k in backends if k[0] == "engine"]:
+                backends.pop(other).close()
         own = {"VLLM_CPU_OMP_THREADS_BIND": "auto"} if bind == "vllm" else {}
         saved = {k: os.environ.get(k) for k in own}
         os.environ.update(own)

@@ -119,14 +119,15 @@ def _drafter(kind, target):
         return OracleDrafter(chain, tree=kind.endswith("tree"), vocab=target.vocab_size)
     if kind == "prompt-lookup":
         return PromptLookupDrafter(chain)
-    if kind == "hybrid":
-        return HybridDrafter(Eagle3Drafter(trained_draft(target), k=chain), PromptLookupDrafter(chain))
+    if kind.startswith("hybrid"):  # hybrid-adaptive: with a controller of its own, on costs where drafting pays
+        ctl = Controller({1: 1.0, 2: 1.05, 5: 1.2}, kmax=chain) if kind.endswith("adaptive") else None
+        return HybridDrafter(Eagle3Drafter(trained_draft(target), k=chain), PromptLookupDrafter(chain), controller=ctl)
     draft = trained_draft(target) if kind.startswith("trained") else untrained_draft(target)
     return Eagle3Drafter(draft, k=chain, tree=tree if kind.endswith("tree") else None)
 
 
 KINDS = ["untrained-chain", "untrained-tree", "trained-chain", "trained-tree", "oracle-chain", "oracle-tree",
-         "prompt-lookup", "hybrid"]
+         "prompt-lookup", "hybrid", "hybrid-adaptive"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -145,7 +146,7 @@ def test_greedy_speculation_equals_greedy_decoding(tiny_target, refs, kind):
             assert accepted[:-1] == [4] * (len(accepted) - 1) and sum(accepted) + len(accepted) >= NEW - 1
     if kind.startswith("oracle"):
         assert min(taus) >= 4.0  # k + 1 = 5 except the shorter last round (31 tokens in 7 rounds)
-    if kind.startswith("trained") or kind == "hybrid":
+    if kind.startswith("trained") or kind.startswith("hybrid"):
         assert sum(taus[:4]) / 4 > 2.0, taus  # on the prompts it was trained on
 
 
@@ -346,7 +347,8 @@ def test_hybrid_proposes_the_drafter_expected_to_yield_more_with_its_own_law(tin
     seq, _ = _started(tiny_target, hybrid, prompt)
     seq = seq + prompt[:3]  # ends as the prompt began: prompt lookup proposes what followed there
     gen = torch.Generator().manual_seed(0)
-    hybrid.stats = {"eagle3": [1.0, 20.0], "prompt-lookup": [20.0, 1.0]}  # lookup has been accepted, the draft not
+    assert lookup.match(seq, 4)[1] == 3  # a 3-token match
+    hybrid.stats.update({"eagle3": [1.0, 20.0], "prompt-lookup/3": [20.0, 1.0]})  # lookup accepted, the draft not
     calls = hybrid.forward_calls
     with torch.inference_mode():
         got = hybrid.propose(seq, temperature, gen, None)
@@ -354,17 +356,50 @@ def test_hybrid_proposes_the_drafter_expected_to_yield_more_with_its_own_law(tin
     assert len(want) and got.tokens.tolist() == want.tokens.tolist() and got.q is None
     assert hybrid.forward_calls == calls and hybrid.used == {"eagle3": 0, "prompt-lookup": 1}  # no draft forward
     hybrid.update(seq + got.tokens.tolist()[:2] + [5], None)  # 2 of its 4 accepted, then the target's token
-    assert hybrid.stats["prompt-lookup"] == [0.9 * 20 + 2, 0.9 * 1 + 1]
+    assert hybrid.stats["prompt-lookup/3"] == [0.9 * 20 + 2, 0.9 * 1 + 1]  # its match length's counts only
+    assert hybrid.stats["prompt-lookup/1"] == hybrid.stats["prompt-lookup/2"] == [1.0, 1.0]
 
     alone = Eagle3Drafter(draft, k=3)
     seq, _ = _started(tiny_target, hybrid, prompt)
     _started(tiny_target, alone, prompt)
-    hybrid.stats = {"eagle3": [20.0, 1.0], "prompt-lookup": [1.0, 20.0]}
+    hybrid.stats.update({"eagle3": [20.0, 1.0], "prompt-lookup/3": [1.0, 20.0]})
     with torch.inference_mode():
         got = hybrid.propose(seq, temperature, torch.Generator().manual_seed(1), None)
         want = alone.propose(seq, temperature, torch.Generator().manual_seed(1), None)
     assert got.tokens.tolist() == want.tokens.tolist() and hybrid.forward_calls > calls
     assert (got.q is None) == (temperature == 0) and (got.q is None or torch.equal(got.q, want.q))
+
+
+def test_an_adaptive_hybrid_tries_free_prompt_lookup_where_the_draft_does_not_pay(tiny_target):
+    """With a controller that has stopped drafting (the draft's rounds were rejected), the hybrid still verifies
+    prompt lookup's match where its expected tokens pay for the longer verification, decodes plainly where they
+    do not, and the controller learns from the draft's rounds only."""
+    from eyas.speculate.decode import Round
+
+    lat = {1: 0.060, 2: 0.060, 4: 0.061, 8: 0.066}
+    ctl = Controller(lat, kmax=3)
+    for _ in range(30):  # a draft whose every token was rejected: the controller decodes plainly
+        ctl.choose()
+        ctl.observe(Round(3, 3, 0, 0.0, 0.06, 0.01, 3))
+    assert ctl.choose() == 0
+    prompt = random_prompts(1, seed=7)[0]
+    lookup = PromptLookupDrafter(4)
+    hybrid = HybridDrafter(Eagle3Drafter(trained_draft(tiny_target), k=3), lookup, controller=ctl)
+    seq, _ = _started(tiny_target, hybrid, prompt)
+    seq = seq + prompt[:3]  # prompt lookup finds a 3-token match
+    hybrid.stats["prompt-lookup/3"] = [30.0, 1.0]  # and such matches have been accepted
+    calls, state = hybrid.forward_calls, (ctl.A, ctl.R)
+    with torch.inference_mode():
+        got = hybrid.propose(seq, 0.0, None, None)
+    assert got.tokens.tolist() == lookup.propose(seq, 0.0, None, None).tokens.tolist() != []
+    assert hybrid.forward_calls == calls and hybrid.used == {"eagle3": 0, "prompt-lookup": 1}
+    hybrid.update(seq + got.tokens.tolist() + [5], None)  # all 4 accepted, then the target's token
+    assert (ctl.A, ctl.R) == state  # prompt lookup's round taught the draft's controller nothing
+    assert hybrid.stats["prompt-lookup/3"] == [0.9 * 30 + 4, 0.9 * 1]
+    hybrid.stats["prompt-lookup/3"] = [1.0, 30.0]  # now such matches are rejected: plain decoding pays more
+    ctl.idle = -10**6  # no probe round of the draft now
+    with torch.inference_mode():
+        assert hybrid.propose(seq, 0.0, None, None).tokens.tolist() == []
 
 
 @pytest.mark.parametrize("runner_kind", ["lean", "hf"])

@@ -229,17 +229,21 @@ class PromptLookupDrafter(Drafter):
         self.ngram = ngram
 
     def propose(self, seq, temperature, gen, budget) -> Proposal:
-        k = self.k if budget is None else min(budget, self.k)
+        return Proposal.chain(self.match(seq, self.k if budget is None else min(budget, self.k))[0])
+
+    def match(self, seq, k: int) -> tuple[list[int], int]:
+        """(up to k tokens that followed the latest earlier occurrence of the sequence's last n tokens, n): the
+        longest n from `ngram` down to 1 that occurs; ([], 0) where none does."""
         if k <= 0 or len(seq) < 2:
-            return Proposal.empty()
+            return [], 0
         arr = np.asarray(seq)
         for n in range(min(self.ngram, len(seq) - 1), 0, -1):
             windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # starts whose continuation exists
             hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
             if hits.size:
                 i = int(hits[-1]) + n
-                return Proposal.chain(arr[i: i + k].tolist())
-        return Proposal.empty()
+                return arr[i: i + k].tolist(), n
+        return [], 0
 
 
 def chain_yield(accepted: float, rejections: float, k: int) -> float:
@@ -255,21 +259,35 @@ def decayed_counts(counts: tuple[float, float], accepted: int, depth: int, decay
 
 
 class HybridDrafter(Drafter):
-    """An EAGLE-3 chain and prompt lookup in one decoder: each round proposes the candidate with the higher
-    expected accepted length, E(k) = sum_{i=0..k} alpha^i over its k tokens, where alpha is that drafter's
-    acceptance rate so far (accepted / (accepted + rejections), decayed by `decay` per round it was used, from a
-    prior of one each). Prompt lookup costs no model forward, so where it finds a match it is free to try; a
-    round that uses it leaves the draft's features pending and the next EAGLE-3 round catches up on them. Either
-    way the round verifies one drafter's proposal with its own q, so decoding stays lossless."""
+    """An EAGLE-3 chain and prompt lookup in one decoder. Each round it verifies one option, the one expected to
+    make the most tokens per second:
+
+        option                          expected tokens E              cost
+        plain decoding                  1                              t(1)
+        prompt lookup's m tokens        sum_{i=0..m} a_n^i             t(m+1)              (no model runs)
+        the draft's chain of k tokens   sum_{i=0..k} a_e^i             t(k+1) + k t_step
+
+    a_n is prompt lookup's acceptance rate after a match of the last n tokens (a 3-token match predicts the next
+    tokens better than a 1-token one), a_e the draft's: accepted / (accepted + rejections) over the rounds that
+    option was verified, decayed by `decay` per such round, from a prior of one each. With a `controller` (eyas
+    evaluate's adaptive mode) the chain's k, or plain decoding where the draft does not pay, is the controller's
+    choice, the costs are its measured latencies, and it learns from the draft's rounds only; prompt lookup, free
+    to make, is still tried wherever its expected tokens pay for its longer verification. Without one every round
+    drafts the full chain or prompt lookup's match, whichever has the larger E (ties to the draft).
+    A round that uses prompt lookup leaves the draft's features pending and the next EAGLE-3 round catches up on
+    them. Either way the round verifies one drafter's proposal with its own q, so decoding stays lossless."""
 
     name = "hybrid"
 
-    def __init__(self, eagle: "Eagle3Drafter", lookup: PromptLookupDrafter, decay: float = 0.9):
+    def __init__(self, eagle: "Eagle3Drafter", lookup: PromptLookupDrafter, decay: float = 0.9,
+                 controller: "Controller | None" = None):
         self.k = max(eagle.k, lookup.k)  # no Drafter.__init__: the time and calls are the draft model's own
-        self.eagle, self.lookup, self.decay = eagle, lookup, decay
-        self.stats = {"eagle3": [1.0, 1.0], "prompt-lookup": [1.0, 1.0]}  # [accepted, rejections], decayed
+        self.eagle, self.lookup, self.decay, self.controller = eagle, lookup, decay, controller
+        # [accepted, rejections], decayed: the draft's, and prompt lookup's after a match of n tokens
+        self.stats = {"eagle3": [1.0, 1.0], **{lookup_key(n): [1.0, 1.0] for n in range(1, lookup.ngram + 1)}}
         self.used = {"eagle3": 0, "prompt-lookup": 0}  # rounds each drafter's proposal was verified
-        self.last: tuple[str, int, int] | None = None  # (drafter, tokens proposed, len(seq)) of the open round
+        self.last: tuple[str, int, int, float] | None = None  # the open round: (stats key, tokens proposed,
+        # len(seq), the draft's seconds on it)
 
     @property
     def forward_time(self) -> float:
@@ -289,22 +307,44 @@ class HybridDrafter(Drafter):
     def update(self, seq, feats) -> None:
         self.eagle.update(seq, feats)
         if self.last is not None:
-            which, k, before = self.last
+            which, k, before, draft_s = self.last
             accepted = len(seq) - before - 1  # the round added the accepted tokens and one of the target's
             self.stats[which] = list(decayed_counts(self.stats[which], accepted, k, self.decay))
+            if which == "eagle3" and self.controller is not None:
+                self.controller.observe(Round(k, k, accepted, 0.0, 0.0, draft_s))
             self.last = None
+
+    def options(self, k: int, found: list[int], n: int) -> list[tuple[str, int, float, float]]:
+        """(option, tokens, expected tokens, cost) of this round: the draft's chain of k (plain decoding for k = 0)
+        and prompt lookup's match of n tokens, if any. Without a controller every cost is 1."""
+        ctl = self.controller
+
+        def cost(tokens: int, steps: int) -> float:
+            return ctl.t(tokens + 1) + steps * ctl.t_step if ctl is not None else 1.0
+
+        opts = [("eagle3", k, self.expected("eagle3", k), cost(k, k)) if k else ("plain", 0, 1.0, cost(0, 0))]
+        if found:
+            opts.append((lookup_key(n), len(found), self.expected(lookup_key(n), len(found)), cost(len(found), 0)))
+        return opts
 
     def propose(self, seq, temperature, gen, budget) -> Proposal:
         k = self.eagle.k if budget is None else min(budget, self.eagle.k)
-        if k <= 0:
+        if self.controller is not None:
+            k = min(k, self.controller.choose())  # 0: plain decoding, unless prompt lookup pays
+        found, n = self.lookup.match(seq, self.lookup.k if budget is None else min(budget, self.lookup.k))
+        which, size, _, _ = max(self.options(k, found, n), key=lambda o: o[2] / o[3])  # the first of equals
+        if which == "plain":
             return Proposal.empty()
-        found = self.lookup.propose(seq, temperature, gen, budget)
-        use_lookup = len(found) and self.expected("prompt-lookup", len(found)) > self.expected("eagle3", k)
-        prop = found if use_lookup else self.eagle.propose(seq, temperature, gen, k)
-        which = "prompt-lookup" if use_lookup else "eagle3"
-        self.used[which] += 1
-        self.last = (which, len(prop), len(seq))
+        t0 = self.eagle.forward_time
+        prop = Proposal.chain(found) if which != "eagle3" else self.eagle.propose(seq, temperature, gen, size)
+        self.used["eagle3" if which == "eagle3" else "prompt-lookup"] += 1
+        self.last = (which, len(prop), len(seq), self.eagle.forward_time - t0)
         return prop
+
+
+def lookup_key(n: int) -> str:
+    """The hybrid's stats key of prompt lookup after a match of n tokens."""
+    return f"prompt-lookup/{n}"
 
 
 class OracleDrafter(Drafter):

@@ -192,6 +192,11 @@ class Method:
     k: int
     source: str  # eagle3 | prompt-lookup | oracle | a checkpoint path
 
+    @property
+    def round_controller(self) -> Controller | None:
+        """The controller the decoder consults each round: none for a hybrid, which consults its own."""
+        return None if isinstance(self.drafter, HybridDrafter) else self.controller
+
 
 def load_draft(spec: str, target, device, dtype):
     """A trained checkpoint folder, or 'untrained': initialised from the target (timing and tests only)."""
@@ -227,9 +232,9 @@ def build_methods(cfg: EvalConfig, draft, extra: dict, latency: dict, vocab: int
             methods.append(Method(f"prompt-lookup k={cfg.lookup_k}", PromptLookupDrafter(cfg.lookup_k),
                                   ctl(cfg.lookup_k), "chain", cfg.lookup_k, b))
         elif b == "hybrid":  # the draft's longest chain and prompt lookup, per round the likelier to pay
-            k = longest
-            drafter = HybridDrafter(Eagle3Drafter(draft, k=k), PromptLookupDrafter(cfg.lookup_k))
-            methods.append(Method(f"hybrid k={k} + prompt-lookup k={cfg.lookup_k}", drafter, ctl(k), "chain", k, b))
+            k, own = longest, ctl(longest)
+            drafter = HybridDrafter(Eagle3Drafter(draft, k=k), PromptLookupDrafter(cfg.lookup_k), controller=own)
+            methods.append(Method(f"hybrid k={k} + prompt-lookup k={cfg.lookup_k}", drafter, own, "chain", k, b))
         elif b == "oracle":
             k = longest
             methods.append(Method(f"oracle k={k}", OracleDrafter(k, vocab=vocab), None, "chain", k, b))
@@ -423,7 +428,7 @@ def _decode_all(con, cfg, runner, target, renderer, methods, items, stop, cpu: T
                 if isinstance(m.drafter, OracleDrafter):
                     m.drafter.set_reference(base.tokens)
                 g = _fastest(cfg.repeats, lambda: speculative_generate(
-                    runner, m.drafter, prompt, cfg.max_new_tokens, cfg.temperature, cfg.seed, stop, m.controller))
+                    runner, m.drafter, prompt, cfg.max_new_tokens, cfg.temperature, cfg.seed, stop, m.round_controller))
                 records.append({**key, "method": m.name, "tokens": g.tokens, "decode_s": g.decode_s,
                                 "prefill_s": g.prefill_s, "rounds": [dataclasses.asdict(r) for r in g.rounds],
                                 "prompt": prompt, "reference": base.tokens,
