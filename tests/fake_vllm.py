@@ -66,8 +66,10 @@ def main() -> None:
     print("fake vllm: threads " + " ".join(f"{k}={os.environ.get(k)}"  # what eyas chose for vLLM's threads
                                            for k in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")), flush=True)
     record = os.environ.get("FAKE_VLLM_REQUESTS")
+    delay = float(os.environ.get("FAKE_VLLM_DELAY_S", "0"))  # seconds per completion: a run a test can interrupt
 
     def generate(body: dict) -> dict:
+        time.sleep(delay)
         stops = set(body.get("stop_token_ids") or [])
         with torch.inference_mode(), LOCK:
             out = model.generate(torch.tensor([body["prompt"]]), max_new_tokens=body["max_tokens"],

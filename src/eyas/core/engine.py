@@ -26,9 +26,12 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from eyas.core.errors import EyasError
 from eyas.core.paths import cache_dir
 from eyas.core.target import TINY, hub_id, resolve_source
+from eyas.core.threads import Threads
 
 PYTHON_ENV = "EYAS_VLLM_PYTHON"  # the python of vLLM's environment, when --engine-python is not given
 SETUP = "scripts/setup-vllm.sh"  # makes that environment at cache_dir() / VENV
@@ -102,10 +105,6 @@ def cpu_env(ranks_on_node: int = 1) -> tuple[dict, str]:
       up the others (0.30x of its quiet throughput beside one, docs/regenerate.md). Where fewer cores are free
       than its share, it gets that many threads, unbound (VLLM_CPU_OMP_THREADS_BIND=nobind, OMP_NUM_THREADS), so
       the scheduler places them beside the other work. A VLLM_CPU_OMP_THREADS_BIND of the user's is kept."""
-    import torch  # heavy: only where an engine starts
-
-    from eyas.core.threads import Threads
-
     if torch.cuda.is_available():
         return {}, ""
     env = {} if "VLLM_CPU_KVCACHE_SPACE" in os.environ else {"VLLM_CPU_KVCACHE_SPACE": CPU_KV_CACHE_GIB}
