@@ -133,5 +133,7 @@ def test_an_engine_keeps_the_users_binding_and_count(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's count: the engine gets it, vLLM binds it
     env, line = cpu_env()
     assert "OMP_NUM_THREADS" not in env and "vLLM's own binding" in line
+    monkeypatch.delenv("OMP_NUM_THREADS")
     fake.others = 0.0
-    assert cpu_env(ranks_on_node=2)[0].get("VLLM_CPU_OMP_THREADS_BIND") is None  # 1 core each: its share
+    env, _ = cpu_env(ranks_on_node=2)  # two engines on 2 free cores: one thread each, unbound (vLLM would bind
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and env["OMP_NUM_THREADS"] == "1"  # both to every core)

@@ -102,9 +102,10 @@ def cpu_env(ranks_on_node: int = 1) -> tuple[dict, str]:
     - its threads, from the cores other work leaves free (eyas.core.threads, as for eyas's own; this engine's
       share of them when `ranks_on_node` engines start on the node). vLLM binds one OpenMP thread to each core it
       is given and keeps them for the whole run, so beside a busy process the thread whose core is taken holds
-      up the others (0.30x of its quiet throughput beside one, docs/regenerate.md). Where fewer cores are free
-      than its share, it gets that many threads, unbound (VLLM_CPU_OMP_THREADS_BIND=nobind, OMP_NUM_THREADS), so
-      the scheduler places them beside the other work. A VLLM_CPU_OMP_THREADS_BIND of the user's is kept."""
+      up the others (0.30x of its quiet throughput beside one, docs/regenerate.md). So vLLM keeps its binding only
+      where the engine gets every core; where fewer are free, or several engines share the node, it gets its
+      count of threads, unbound (VLLM_CPU_OMP_THREADS_BIND=nobind, OMP_NUM_THREADS), and the scheduler places
+      them beside the other work. A VLLM_CPU_OMP_THREADS_BIND of the user's is kept."""
     if torch.cuda.is_available():
         return {}, ""
     env = {} if "VLLM_CPU_KVCACHE_SPACE" in os.environ else {"VLLM_CPU_KVCACHE_SPACE": CPU_KV_CACHE_GIB}
@@ -114,7 +115,7 @@ def cpu_env(ranks_on_node: int = 1) -> tuple[dict, str]:
         return env, f"engine threads: VLLM_CPU_OMP_THREADS_BIND={os.environ['VLLM_CPU_OMP_THREADS_BIND']} (yours)"
     threads = Threads(0, ranks_on_node)
     n, why = threads.choose()
-    if n >= threads.share:
+    if n >= len(threads.cores):  # vLLM's binding takes every core this process may run on
         return env, f"engine threads: vLLM's own binding, one thread to each of its cores ({why})"
     env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(n))
     return env, (f"engine threads: {n}, unbound ({why}); fixed for the run: vLLM cannot change them once started, "
