@@ -23,6 +23,18 @@ of the samples each rank's sampler gave it in that epoch, repeats included; toke
 wall time. Also recorded: the process wall time, steps and samples per rank from each trainer's own log ([probe]
 lines, eyas's summary), and `others`: the cores other processes used during the epoch (/proc/stat), the noise.
 
+Time to accuracy (`--accuracy`): every trainer runs `--epochs` epochs (default 4) and the shim saves its draft at
+each epoch's end as the trainer itself exports it (eyas `save_draft`, speculators `save_pretrained`, SpecForge its
+draft module's `save_pretrained` without embeddings, as `specforge export --to sglang` writes it), the clock
+stopped meanwhile. speculators runs without the two norms and the sliding window its 0.9.0 defaults add, so its
+drafts are the architecture eyas imports. After each run every snapshot is read (`eyas import` for the peers) and
+scored by one evaluator, eyas's validation pass (eyas.train.heldout), on the next `--heldout` GSM8K train
+conversations (default 50), never trained on. The bench prints acc_0 at each snapshot and the training seconds
+each trainer took to reach a common acc_0 (the highest every run reached, or `--target-acc`), interpolated
+between snapshots, and the faster peer's time over eyas's.
+
+    python bench/bench_peers.py --samples 100 --accuracy --repeats 1 --eyas-args "--lr 1e-3"
+
 Writes OUT/bench_peers.json and OUT/runs/<run>/log.txt; prints a table and eyas / the faster peer (medians).
 The peers' venv: ../shared/peers/README.md, "Install".
 """
@@ -74,21 +86,53 @@ def _busy_s() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
+# the training clock of this process: epochs' wall time, without the snapshots taken inside one (SpecForge's)
+CLOCK = {"done": 0.0, "start": None, "paused": 0.0, "snapshots": 0}
+
+
+def _train_s() -> float:
+    running = 0.0 if CLOCK["start"] is None else time.perf_counter() - CLOCK["start"] - CLOCK["paused"]
+    return CLOCK["done"] + running
+
+
+def _snapshot(save, tag: str) -> None:
+    """--accuracy: save(folder) writes the draft as its trainer exports it, into BENCH_SNAPSHOT_DIR/<n>-<tag>, with
+    the training seconds so far; the time it takes is not training time."""
+    root = os.environ.get("BENCH_SNAPSHOT_DIR")
+    if not root:
+        return
+    t0 = time.perf_counter()
+    folder = Path(root) / f"{CLOCK['snapshots']:03d}-{tag}"
+    save(folder)
+    (folder / "bench-clock.json").write_text(json.dumps({"train_s": _train_s(), "tag": tag}))
+    CLOCK["snapshots"] += 1
+    CLOCK["paused"] += time.perf_counter() - t0
+
+
 def _timed(cls, name: str, trainer: str, after) -> None:
-    """Wrap cls.name with a wall clock; after(self, args) -> (rank, sample indices, trainable parameters)."""
+    """Wrap cls.name with a wall clock; after(self, args) -> (rank, sample indices, trainable parameters), called
+    with the clock stopped. Called once per epoch (eyas, speculators) or once for all (SpecForge's fit), the record
+    sums the calls: epoch_s is the training time so far, samples every sample fed."""
     import resource
 
     import torch
 
     orig = getattr(cls, name)
+    total = {"cpu_s": 0.0, "machine_busy_s": 0.0, "samples": []}
 
     def timed(self, *a, **k):
         t0, cpu0, busy0 = time.perf_counter(), time.process_time(), _busy_s()
+        CLOCK.update(start=t0, paused=0.0)
         out = orig(self, *a, **k)
-        seconds, cpu, busy = time.perf_counter() - t0, time.process_time() - cpu0, _busy_s() - busy0
+        seconds = time.perf_counter() - t0 - CLOCK["paused"]
+        CLOCK.update(done=CLOCK["done"] + seconds, start=None, paused=0.0)
+        total["cpu_s"] += time.process_time() - cpu0
+        total["machine_busy_s"] += _busy_s() - busy0
         rank, samples, trainable = after(self, a)
-        rec = {"trainer": trainer, "rank": rank, "epoch_s": seconds, "cpu_s": cpu, "machine_busy_s": busy,
-               "samples": samples, "trainable": trainable, "threads": torch.get_num_threads(),
+        total["samples"] = samples if trainer == "specforge" else total["samples"] + samples  # SpecForge's: all
+        rec = {"trainer": trainer, "rank": rank, "epoch_s": CLOCK["done"], "cpu_s": total["cpu_s"],
+               "machine_busy_s": total["machine_busy_s"], "samples": total["samples"], "trainable": trainable,
+               "threads": torch.get_num_threads(),
                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
         Path(os.environ.get("BENCH_REPORT_DIR", "."), f"{REPORT}{rank}.json").write_text(json.dumps(rec))
         return out
@@ -101,10 +145,13 @@ def _trainable(module) -> int:
 
 
 def _hook_eyas() -> None:
+    from eyas.draft.checkpoint import save_draft
     from eyas.train.trainer import Trainer
 
     def after(t, a):  # train_epoch(epoch, shard, start, bar); shard ids are store rows
         own, rep = a[1].sample_ids()
+        if t.env.is_main:
+            _snapshot(lambda folder: save_draft(t.full_draft(), folder), f"epoch{a[0] + 1}")
         return t.env.rank, own + rep, _trainable(t.model)
 
     _timed(Trainer, "train_epoch", "eyas", after)
@@ -124,6 +171,8 @@ def _hook_speculators() -> None:
 
     def after(t, a):  # train_epoch(epoch); the train split starts at row 0
         idx = [int(i) for b in t.train_loader.batch_sampler._generate_batches(a[0]) for i in b]
+        if t.rank == 0:  # its own export: config.json (speculators format) and model.safetensors
+            _snapshot(getattr(t.model, "module", t.model).save_pretrained, f"epoch{a[0] + 1}")
         return t.rank, idx, _trainable(t.model)
 
     _timed(T.Trainer, "train_epoch", "speculators", after)
@@ -141,6 +190,20 @@ def _hook_specforge() -> None:
         return step(self, batch, *a, **k)
 
     C.TrainerCore.train_step = counting
+
+    def export(c, folder: Path) -> None:  # as its `specforge export --to sglang` writes a draft: without embeddings
+        module = c.core.strategy.trainable_module()
+        draft = getattr(module, "draft_model", module)
+        draft.save_pretrained(folder, state_dict={k: v for k, v in draft.state_dict().items()
+                                                  if "embed" not in k.lower()})
+
+    def save_checkpoint(c, step):  # --accuracy sets save_interval to an epoch's steps: a snapshot, not its save
+        if (dist.get_rank() if dist.is_initialized() else 0) == 0:
+            _snapshot(lambda folder: export(c, folder), f"step{step}")
+        c.last_checkpoint_step = step  # as its own save records it (no second save of the same step after fit)
+
+    if os.environ.get("BENCH_SNAPSHOT_DIR"):
+        C.TrainerController.save_checkpoint = save_checkpoint
 
     def after(c, a):  # sample ids are "<run id>:<index in the sorted list of feature files>"
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -167,6 +230,8 @@ def build_data(args) -> dict:
     gsm8k = Path(args.gsm8k)
     key = {"samples": args.samples, "target": args.target, "layers": args.layers, "dtype": args.extract_dtype,
            "gsm8k": [str(gsm8k.resolve()), gsm8k.stat().st_size], "version": DATA_VERSION}
+    if args.heldout:  # a new key only with held-out samples: the stores of earlier runs stay valid
+        key["heldout"] = args.heldout
     root = cache_dir() / "bench-peers" / hashlib.sha256(json.dumps(key).encode()).hexdigest()[:12]
     d = {k: root / k for k in ("prepared", "store", "verifier", "speculators", "specforge")}
     root.mkdir(parents=True, exist_ok=True)
@@ -177,6 +242,15 @@ def build_data(args) -> dict:
     if not (d["store"] / "manifest.json").is_file():  # extract resumes a partial store
         _eyas("extract", "--data", str(d["prepared"]), "--store", str(d["store"]), "--target", args.target,
               "--layers", *map(str, args.layers), "--dtype", args.extract_dtype)
+    if args.heldout:  # the next --heldout conversations, never trained on: the common accuracy's samples
+        d["heldout"] = root / "heldout-store"
+        if not (d["heldout"] / "manifest.json").is_file():
+            lines = gsm8k.read_text().splitlines()[args.samples:args.samples + args.heldout]
+            (root / "heldout.jsonl").write_text("\n".join(lines) + "\n")
+            _eyas("prepare", "--target", args.target, "--data", str(root / "heldout.jsonl"), "--out",
+                  str(root / "heldout-prepared"), "--validation", "0", "--overwrite")
+            _eyas("extract", "--data", str(root / "heldout-prepared"), "--store", str(d["heldout"]), "--target",
+                  args.target, "--layers", *map(str, args.layers), "--dtype", args.extract_dtype)
     store = StoreReader(d["store"])
     _once(d["verifier"], lambda tmp: write_verifier(args.target, tmp))
     _once(d["speculators"], lambda tmp: write_speculators(store, args.target, tmp))
@@ -272,7 +346,7 @@ def write_specforge(store, out: Path) -> None:
 # ---------------------------------------------------------------- the runs
 
 def eyas_args(args, d, out: Path, nproc: int, threads: int) -> list[str]:
-    return ["--store", str(d["store"]), "--target", args.target, "--out", str(out), "--epochs", "1",
+    return ["--store", str(d["store"]), "--target", args.target, "--out", str(out), "--epochs", str(args.epochs),
             "--num-layers", "1", "--draft-vocab", str(args.draft_vocab), "--ttt-steps", str(args.ttt_steps),
             "--lr", str(args.lr), "--threads", str(threads), "--json", *args.eyas_args.split()]
 
@@ -283,21 +357,26 @@ def speculators_args(args, d, out: Path, nproc: int, threads: int) -> list[str]:
             "--data-path", str(d["speculators"]), "--save-path", str(out / "checkpoints"), "--log-dir", str(out),
             "--speculator-type", "eagle3", "--num-layers", "1", "--draft-vocab-size", str(args.draft_vocab),
             "--target-layer-ids", *map(str, args.layers), "--ttt-steps", str(args.ttt_steps), "--lr", str(args.lr),
-            "--optimizer", "adamw", "--scheduler-type", "cosine", "--epochs", "1",
+            "--optimizer", "adamw", "--scheduler-type", "cosine", "--epochs", str(args.epochs),
             "--total-seq-len", str(max(args.spec_total_seq_len, max(d["lengths"]))),  # never truncates a sample
             "--train-data-ratio", repr((n + 0.5) / (n + 1)),  # rows 0..n-1 train, the copy of row 0 validates
             "--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--num-workers", "0",
-            "--on-missing", "raise", "--no-resume-from-checkpoint", "--seed", "0", *args.spec_args.split()]
+            "--on-missing", "raise", "--no-resume-from-checkpoint", "--seed", "0",
+            # --accuracy: the draft eyas imports (its 0.9.0 defaults add two norms and a 2,048-token window)
+            *(["--no-norm-before-fc", "--no-norm-output", "--full-attention-indices", "0"] if args.accuracy else []),
+            *args.spec_args.split()]
 
 
 def specforge_args(args, d, out: Path, nproc: int, threads: int) -> list[str]:
     cfg = {"model": {"target_model_path": str(d["verifier"]), "draft_num_hidden_layers": 1,
                      "lm_head_key": args.sf_lm_head_key, "aux_hidden_state_layer_ids": args.layers},
            "data": {"hidden_states_path": str(d["specforge"]), "cache_dir": str(d["root"] / "specforge-cache")},
-           "training": {"num_epochs": 1, "batch_size": args.sf_batch_size, "learning_rate": args.lr,
+           "training": {"num_epochs": args.epochs, "batch_size": args.sf_batch_size, "learning_rate": args.lr,
                         "ttt_length": args.ttt_steps, "attention_backend": "sdpa", "fsdp_sharding": "NO_SHARD",
                         "seed": 0},  # draft vocabulary: its default for EAGLE-3 is 32,000
            "deployment": {"trainer": {"nproc_per_node": nproc}}, "output_dir": str(out), "run_id": "bench"}
+    if args.accuracy:  # a snapshot at every epoch's end (the shim takes it in place of its checkpoint)
+        cfg["training"]["save_interval"] = max(1, len(d["lengths"]) // (args.sf_batch_size * nproc))
     out.mkdir(parents=True)
     (out / "specforge.json").write_text(json.dumps(cfg, indent=1))
     return [str(Path(args.peers_dir) / "sf_cpu_train.py"), "train", "-c", str(out / "specforge.json"),
@@ -319,6 +398,8 @@ def run_one(args, d, trainer: str, nproc: int, threads: int, run_dir: Path) -> d
            *ARGS[trainer](args, d, out, nproc, threads)]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
                TOKENIZERS_PARALLELISM="false", BENCH_SPEC_AUTOCAST=args.spec_autocast, BENCH_REPORT_DIR=str(run_dir))
+    if args.accuracy:
+        env["BENCH_SNAPSHOT_DIR"] = str(run_dir / "snapshots")
     t0 = time.perf_counter()
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=run_dir, check=False)
     wall = time.perf_counter() - t0
@@ -331,9 +412,51 @@ def run_one(args, d, trainer: str, nproc: int, threads: int, run_dir: Path) -> d
     rec = parse_run(trainer, nproc, p.stdout, d, run_dir)
     rec.update(threads=threads, process_wall_s=wall, startup_and_teardown_s=wall - rec["epoch_s"],
                log=str(run_dir / "log.txt"))
+    if args.accuracy:
+        rec["curve"] = score_snapshots(args, d, trainer, run_dir / "snapshots")
+        if not args.keep_outputs:
+            shutil.rmtree(run_dir / "snapshots", ignore_errors=True)  # a draft per epoch, tens of MB each
     if not args.keep_outputs:
         shutil.rmtree(out, ignore_errors=True)  # checkpoints, up to hundreds of MB per run
     return rec
+
+
+def score_snapshots(args, d: dict, trainer: str, folder: Path) -> list[dict]:
+    """Every snapshot of a run scored on the held-out store by one evaluator, eyas's validation pass
+    (eyas.train.heldout): a peer's snapshot is first read with `eyas import`. -> [{tag, train_s, acc_i, ...}]"""
+    from eyas.draft.checkpoint import read_draft
+    from eyas.draft.importer import ImportConfig, run_import
+    from eyas.train.heldout import held_out_accuracy
+
+    curve, tags = [], set()
+    for snap in sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.endswith("-eyas")):
+        clock = json.loads((snap / "bench-clock.json").read_text())
+        if clock["tag"] in tags:  # the same step saved twice
+            continue
+        tags.add(clock["tag"])
+        if trainer != "eyas":
+            imported = snap.with_name(snap.name + "-eyas")
+            run_import(ImportConfig(source=str(snap), out=str(imported), target=args.target,
+                                    layers=tuple(args.layers), overwrite=True, quiet=True))
+            snap = imported
+        got = held_out_accuracy(read_draft(snap), str(d["heldout"]), args.target, args.ttt_steps)
+        curve.append({"tag": clock["tag"], "train_s": clock["train_s"], **got})
+    return curve
+
+
+def time_to(curve: list[dict], acc: float) -> float | None:
+    """Training seconds at which acc_0 on the held-out samples first reaches `acc`, interpolated linearly between
+    snapshots (the first snapshot's time when it is already there); None if never."""
+    before = None
+    for pt in curve:
+        a = pt["acc_i"][0]
+        if a >= acc:
+            if before is None or before[1] >= acc:
+                return pt["train_s"]
+            t0, a0 = before
+            return t0 + (acc - a0) / (a - a0) * (pt["train_s"] - t0)
+        before = (pt["train_s"], a)
+    return None
 
 
 def _free_port() -> int:
@@ -390,7 +513,7 @@ def run_all(args, d: dict) -> list[dict]:
 
 # ---------------------------------------------------------------- summary
 
-def summarise(records: list[dict], ttt: int) -> dict:
+def summarise(records: list[dict], ttt: int, target_acc: float = 0.0) -> dict:
     groups: dict[tuple, list[dict]] = {}
     for r in records:
         groups.setdefault((r["trainer"], r["nproc"], r["threads"]), []).append(r)
@@ -402,6 +525,17 @@ def summarise(records: list[dict], ttt: int) -> dict:
                      "tokens_per_s_median": statistics.median(tps), "tokens_per_s_range": [min(tps), max(tps)],
                      "others_cores_max": max(r["others_cores"] for r in rs),
                      **{k: rs[0][k] for k in ("tokens", "steps_per_rank", "samples_per_rank", "trainable_params")}})
+    accuracy = None
+    curves = [r for r in records if r.get("curve")]
+    if curves:
+        target = target_acc or min(max(pt["acc_i"][0] for pt in r["curve"]) for r in curves)
+        for row in rows:
+            rs = groups[row["trainer"], *map(int, row["layout"].split("x"))]
+            times = [time_to(r["curve"], target) for r in rs]
+            row["time_to_acc_s"] = statistics.median(times) if None not in times else None
+            row["acc0_by_snapshot"] = [[round(pt["acc_i"][0], 4) for pt in r["curve"]] for r in rs]
+            row["snapshot_s"] = [[round(pt["train_s"], 1) for pt in r["curve"]] for r in rs]
+        accuracy = {"target_acc0": target, "heldout_samples": curves[0]["curve"][0]["samples"]}
     ratios = {}
     for layout in dict.fromkeys(r["layout"] for r in rows):
         by = {r["trainer"]: r["tokens_per_s_median"] for r in rows if r["layout"] == layout}
@@ -410,7 +544,12 @@ def summarise(records: list[dict], ttt: int) -> dict:
             best = max(peers, key=peers.get)
             ratios[layout] = {"eyas": by["eyas"], "faster_peer": best, "peer": peers[best],
                               "ratio": by["eyas"] / peers[best]}
-    return {"rows": rows, "ratios": ratios}
+            times = {r["trainer"]: r.get("time_to_acc_s") for r in rows if r["layout"] == layout}
+            if accuracy and times["eyas"] and any(times[t] for t in peers):
+                quick = min((t for t in peers if times[t]), key=times.get)
+                ratios[layout]["time_to_acc"] = {"eyas_s": times["eyas"], "faster_peer": quick,
+                                                 "peer_s": times[quick], "ratio": times[quick] / times["eyas"]}
+    return {"rows": rows, "ratios": ratios, "accuracy": accuracy}
 
 
 def print_table(summary: dict) -> None:
@@ -425,6 +564,21 @@ def print_table(summary: dict) -> None:
     for layout, q in summary["ratios"].items():
         print(f"eyas / faster peer ({q['faster_peer']}), {layout.replace('x', ' x ')}, medians: "
               f"{q['eyas']:,.0f} / {q['peer']:,.0f} tokens/s = {q['ratio']:.2f}x")
+    acc = summary.get("accuracy")
+    if not acc:
+        return
+    print(f"\nacc_0 on {acc['heldout_samples']} held-out conversations (eyas's validation pass for every draft), at "
+          f"each snapshot (training seconds in brackets); the common target is {acc['target_acc0']:.4f}")
+    for r in summary["rows"]:
+        curves = "; ".join(" ".join(f"{a:.3f} ({t:.0f} s)" for a, t in zip(accs, secs))
+                           for accs, secs in zip(r["acc0_by_snapshot"], r["snapshot_s"]))
+        took = f"{r['time_to_acc_s']:.1f} s" if r.get("time_to_acc_s") else "not reached in every run"
+        print(f"  {r['trainer']:<12} {r['layout']:<5} to {acc['target_acc0']:.4f}: {took:<26} {curves}")
+    for layout, q in summary["ratios"].items():
+        t = q.get("time_to_acc")
+        if t:
+            print(f"time to acc_0 {acc['target_acc0']:.4f}, {layout.replace('x', ' x ')}, medians: faster peer "
+                  f"({t['faster_peer']}) {t['peer_s']:.1f} s / eyas {t['eyas_s']:.1f} s = {t['ratio']:.2f}x")
 
 
 # ---------------------------------------------------------------- main
@@ -469,8 +623,18 @@ def parse_args(argv: list[str]):
     ap.add_argument("--spec-args", default="", help="extra speculators flags")
     ap.add_argument("--sf-args", default="", help="extra SpecForge dotted overrides, e.g. training.batch_size=2")
     ap.add_argument("--keep-outputs", action="store_true", help="keep the trainers' checkpoints")
+    ap.add_argument("--accuracy", action="store_true",
+                    help="time to accuracy: a snapshot of each draft at every epoch's end, scored on held-out samples")
+    ap.add_argument("--epochs", type=int, default=0, help="epochs per run (0: 1, or 4 with --accuracy)")
+    ap.add_argument("--heldout", type=int, default=0,
+                    help="held-out GSM8K conversations after the training ones (0: none, or 50 with --accuracy)")
+    ap.add_argument("--target-acc", type=float, default=0.0,
+                    help="the common acc_0 to reach (0: the highest every run reached)")
     ap.add_argument("--out", default="/tmp/eyas-bench-peers")
-    return ap.parse_args(argv)
+    a = ap.parse_args(argv)
+    a.epochs = a.epochs or (4 if a.accuracy else 1)
+    a.heldout = a.heldout or (50 if a.accuracy else 0)
+    return a
 
 
 def main() -> None:
@@ -489,7 +653,7 @@ def main() -> None:
         records = run_all(args, d)
     except EyasError as e:
         sys.exit(f"bench: error: {e}")
-    summary = summarise(records, args.ttt_steps)
+    summary = summarise(records, args.ttt_steps, args.target_acc)
     print_table(summary)
     out = Path(args.out) / "bench_peers.json"
     write_json(out, {"settings": vars(args), "command": " ".join(sys.argv), "data": str(d["root"]),

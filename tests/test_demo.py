@@ -108,6 +108,26 @@ def test_toml_stages_and_their_errors(tmp_path):
     assert RunConfig(config="x.toml").config == "x.toml"
 
 
+EXAMPLES = sorted((Path(__file__).parents[1] / "examples").glob("*.toml"))
+
+
+@pytest.mark.parametrize("config", EXAMPLES, ids=lambda p: p.name)
+def test_example_configs_build(config, tmp_path):
+    """Every stage of every example builds its command's settings (a misspelt key fails here, not an hour into a
+    run), and a training stage's validation store is one an extract stage of the same file writes."""
+    import tomllib
+
+    from eyas.core.config import from_mapping
+    from eyas.pipeline.commands import load_stage
+
+    stages = stages_from_toml(tomllib.loads(config.read_text()), tmp_path / "run", config.name)
+    cfgs = {s.name: from_mapping(load_stage(s.command)[0], s.settings, s.name) for s in stages}
+    stores = {cfgs[s.name].store for s in stages if s.command == "extract"}
+    for s in stages:
+        if s.command == "train" and cfgs[s.name].val_store:
+            assert cfgs[s.name].val_store in stores, (s.name, cfgs[s.name].val_store)
+
+
 def kept(run: Path, name: str, why: str, file: str = "metrics.jsonl") -> list[str | None]:
     """The content of `file` (None: not there) in every folder `eyas run` set aside for `name` because of `why`."""
     return [(d / file).read_text() if (d / file).is_file() else None for d in sorted(run.glob(f"{name}.kept-*-{why}*"))]

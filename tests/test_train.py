@@ -249,6 +249,22 @@ def test_validation_pass_and_max_steps(store, tmp_path):
     assert s2["steps"] == 3 and len(metrics(tmp_path / "short")) == 3
 
 
+def test_held_out_accuracy_of_a_saved_draft_equals_the_trainers_validation(tiny_target, store, tmp_path):
+    """eyas.train.heldout scores any draft on a store as training's validation pass does: the final draft on the
+    run's validation store gives the figures of the run's last validation pass, count for count."""
+    from eyas.train.heldout import held_out_accuracy
+
+    held = write_store(tiny_target, tmp_path / "held", n=7)  # tokens of the training samples' pool
+    run(TrainConfig(quiet=True, store=str(store), out=str(tmp_path / "r"), val_store=str(held), epochs=4,
+                    micro_batch=2, lr=1e-2, **SMALL))
+    last = json.loads((tmp_path / "r" / "validation.jsonl").read_text().splitlines()[-1])
+    got = held_out_accuracy(read_draft(tmp_path / "r" / "final"), str(held), "tiny", SMALL["ttt_steps"], micro_batch=2)
+    assert got["samples"] == last["samples"] == 7 and min(got["count_i"]) > 0
+    assert got["acc_i"] == last["acc_i"]  # the same positions counted, the same argmaxes
+    np.testing.assert_allclose(got["loss_i"], last["loss_i"], rtol=1e-6)
+    assert 0 < max(got["acc_i"]) < 1  # a real, partial accuracy: not every position or none
+
+
 def test_packing_trains_every_sample_once(store, tmp_path):
     s = run(TrainConfig(quiet=True, store=str(store), out=str(tmp_path / "pack"), max_tokens=96, **SMALL))
     audit = json.loads((tmp_path / "pack" / "audit.json").read_text())

@@ -40,7 +40,7 @@ class DemoConfig(StageConfig):
     target: str = opt("", "the target (default: tiny with --quick, else smollm2-135m); e.g. tiny-deepseek-v3")
     samples: int = opt(0, "training conversations (0: 320, or 48 with --quick)")
     eval_prompts: int = opt(0, "MT-Bench questions evaluated (0: 6, or 4 with --quick)")
-    nproc: int = opt(2, "training processes under torchrun")
+    nproc: int = opt(2, "extraction and training processes under torchrun (on a CPU, one per core: docs/threads.md)")
     parallel: str = opt("ddp", "training's data parallelism: ddp, or fsdp (FSDP2)", choices=("ddp", "fsdp"))
     force: bool = opt(False, "rerun every stage even when it finished before with the same settings")
 
@@ -58,7 +58,7 @@ class RunConfig(StageConfig):
 
 
 def demo_stages(cfg: DemoConfig, run: Path) -> list[Stage]:
-    """The demo: regenerate answers, prepare, extract, train on 2 ranks, evaluate, export, report."""
+    """The demo: regenerate answers, prepare, extract and train on 2 ranks, evaluate, export, report."""
     quick = cfg.quick
     target = cfg.target or ("tiny" if quick else "smollm2-135m")
     n = cfg.samples or (48 if quick else 320)
@@ -75,7 +75,8 @@ def demo_stages(cfg: DemoConfig, run: Path) -> list[Stage]:
         Stage("prepare", "prepare", dict(target=target, data=(f"{r}/regenerated/gsm8k.jsonl",
                                                               f"{r}/regenerated/chitchat.jsonl"),
                                          out=f"{r}/prepared", max_length=1024, overwrite=True, quiet=cfg.quiet)),
-        Stage("extract", "extract", dict(target=target, data=f"{r}/prepared", store=f"{r}/store", quiet=cfg.quiet)),
+        Stage("extract", "extract", dict(target=target, data=f"{r}/prepared", store=f"{r}/store", quiet=cfg.quiet),
+              nproc=cfg.nproc),
         Stage("train", "train", dict(target=target, store=f"{r}/store", out=f"{r}/train", epochs=2 if quick else 3,
                                      ttt_steps=3, lr=1e-3, micro_batch=1, max_tokens=1024,
                                      draft_vocab=2048 if quick else 8192, checkpoint_every=50, resume=True,

@@ -239,7 +239,11 @@ def run(cfg: ExtractConfig, *, target=None) -> dict:
     con = console(env.rank, cfg.quiet, cfg.json)
     tune_allocator()
     cpu = Threads(cfg.threads, env.local_world_size, env.device)
-    con.print("threads: %d per rank (%s)" % cpu.apply())
+    n, why = cpu.apply()
+    alone = env.device == "cpu" and cfg.engine != "vllm" and not env.distributed and len(cpu.cores) > 1
+    con.print(f"threads: {n} per rank ({why})" + (f"; one rank per core keeps more speed beside other work: "
+                                                  f"torchrun --nproc-per-node {len(cpu.cores)} -m eyas extract ..."
+                                                  if alone else ""))
     try:
         return _run(cfg, env, con, target, cpu)
     except OSError as e:  # the store's index, manifest or summary (a shard says which it was)

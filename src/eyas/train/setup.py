@@ -59,6 +59,7 @@ from eyas.train.engine import (
     resolve_dtype,
     wrap,
 )
+from eyas.train.heldout import store_feature_layers
 from eyas.train.plan import Plan, compute_plan
 from eyas.train.sharding import ShardSpec, epoch_units
 from eyas.train.state import Progress, ResumePoint
@@ -220,15 +221,6 @@ def sources(cfg):
     return train, val
 
 
-def store_layers(src) -> list[int] | None:
-    for holder in (src, getattr(src, "source", None)):
-        ids = getattr(holder, "layer_ids", None) if holder is not None else None
-        if ids:
-            return [int(i) for i in ids]
-    ident = getattr(src, "identity", None) or {}
-    return [int(i) for i in ident["layer_ids"]] if ident.get("layer_ids") else None
-
-
 def load_checked_target(cfg, env, dtype: str, srcs) -> tuple[Target, list[int]]:
     """The target, refused unless the sources were extracted from it, and the feature layer ids."""
     if cfg.online:  # the target computes the features: all of it, on the device
@@ -238,7 +230,7 @@ def load_checked_target(cfg, env, dtype: str, srcs) -> tuple[Target, list[int]]:
     for src in srcs:
         if src is not None:
             src.check_target(target.identity())
-    layer_ids = (target.default_feature_layers() if cfg.online else store_layers(srcs[0])
+    layer_ids = (target.default_feature_layers() if cfg.online else store_feature_layers(srcs[0])
                  or target.default_feature_layers())
     return target, layer_ids
 

@@ -43,6 +43,7 @@ from eyas.train.engine import (
     no_sync,
     validation_sums,
 )
+from eyas.train.heldout import masked_batches, per_step
 from eyas.train.plan import EPOCHS, GRAD_ACCUM, MICRO_BATCH, compute_plan
 from eyas.train.setup import TrainParts, setup
 from eyas.train.sharding import audit, shard_epoch
@@ -364,9 +365,7 @@ class Trainer:
         if p.val_src is None:
             return None
         red = validation_sums(p.model, self.validation_batches(), p.head_rows, p.t2d, k, self.env, p.dtype)
-        n = [max(1.0, x) for x in red[2 * k:]]
-        out = {"epoch": epoch, "samples": len(p.val_src), "loss_i": [red[i] / n[i] for i in range(k)],
-               "acc_i": [red[k + i] / n[i] for i in range(k)]}
+        out = {"epoch": epoch, "samples": len(p.val_src), **per_step(red, k)}
         out["loss"] = float(sum(w * x for w, x in zip(p.weights.tolist(), out["loss_i"])))
         self.say(f"validation (epoch {epoch + 1}, {fmt_int(len(p.val_src))} samples, global): loss "
                  f"{out['loss']:.4f}, acc_i " + " ".join(f"{a:.3f}" for a in out["acc_i"]))
@@ -377,16 +376,7 @@ class Trainer:
         """This rank's validation micro-batches, prepared; the rows that only pad the last step (every rank makes
         the same calls, as FSDP needs) have their loss mask zeroed, so they are run but not counted."""
         p = self.parts
-        shard = shard_epoch(p.val_src.lengths, 0, self.env.rank, p.val_spec)
-        for s, step in enumerate(shard.steps):
-            for m, micro in enumerate(step):
-                b = self.prepare(load_micro_batch(p.val_src, micro))
-                rows = [u for u in range(len(micro)) if (s, m, u) in shard.padded]
-                if rows:
-                    mask = b.loss_mask.clone()
-                    mask[rows] = 0
-                    b = dataclasses.replace(b, loss_mask=mask)
-                yield b
+        yield from masked_batches(p.val_src, shard_epoch(p.val_src.lengths, 0, self.env.rank, p.val_spec), self.prepare)
 
     # -- sharding audit, checkpoints, the end ------------------------------------------------------------------------
     def audited_shard(self, epoch: int, first: bool):

@@ -1,0 +1,74 @@
+"""Any draft's loss and accuracy on a hidden-state store, computed as training's validation pass computes them.
+
+Training validates on its `--val-store` at every epoch's end (eyas.train.trainer). `held_out_accuracy` gives the
+same figures for a draft that was trained elsewhere or saved mid-run (an imported speculators or SpecForge draft,
+an eyas checkpoint), so drafts can be compared on the same held-out samples with one definition: per TTT step i,
+the share of counted positions (loss mask on, the next tokens inside the draft vocabulary) where the draft's
+argmax equals the target's argmax over the draft vocabulary, and the soft cross-entropy against the target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from eyas.core.dist import DistEnv
+from eyas.core.errors import EyasError
+from eyas.core.weights import load_target_shell, read_module
+from eyas.draft.model import Eagle3Draft
+from eyas.train.data import load_micro_batch, open_store
+from eyas.train.engine import TTTObjective, validation_sums
+from eyas.train.sharding import EpochShard, ShardSpec, shard_epoch
+
+
+def masked_batches(source, shard: EpochShard, prepare):
+    """The shard's micro-batches read from `source`, passed through `prepare` (to the device), with the loss mask of
+    the rows that only pad the last step zeroed: run, not counted."""
+    for s, step in enumerate(shard.steps):
+        for m, micro in enumerate(step):
+            b = prepare(load_micro_batch(source, micro))
+            rows = [u for u in range(len(micro)) if (s, m, u) in shard.padded]
+            if rows:
+                mask = b.loss_mask.clone()
+                mask[rows] = 0
+                b = dataclasses.replace(b, loss_mask=mask)
+            yield b
+
+
+def store_feature_layers(src) -> list[int] | None:
+    """The HF hidden-state indices a store (or a subset of one) holds, when it records them."""
+    for holder in (src, getattr(src, "source", None)):
+        ids = getattr(holder, "layer_ids", None) if holder is not None else None
+        if ids:
+            return [int(i) for i in ids]
+    ident = getattr(src, "identity", None) or {}
+    return [int(i) for i in ident["layer_ids"]] if ident.get("layer_ids") else None
+
+
+def held_out_accuracy(draft: Eagle3Draft, store: str, target: str, ttt_steps: int, micro_batch: int = 1,
+                      max_tokens: int = 0, dtype: str = "bf16", device: str = "cpu") -> dict:
+    """{"samples", "loss_i", "acc_i", "count_i"} of `draft` over every sample of `store` (extracted from `target`),
+    for `ttt_steps` steps, batched as training's validation pass batches them (`micro_batch`, `max_tokens`)."""
+    src = open_store(store)
+    layers = store_feature_layers(src)
+    if layers is not None and sorted(layers) != sorted(draft.cfg.feature_layers):
+        raise EyasError(f"store {store} holds layers {layers}, the draft reads {list(draft.cfg.feature_layers)}",
+                        fix="score the draft on a store extracted with its feature layers")
+    shell = load_target_shell(target)
+    compute = torch.float32 if dtype == "fp32" else torch.bfloat16
+    head = read_module(shell, shell.lm_head()).weight.detach()
+    draft = draft.to(device).eval()
+    head_rows = head[draft.target_ids().to(head.device)].to(device, compute)
+    shard = shard_epoch(src.lengths, 0, 0, ShardSpec(world_size=1, micro_batch=micro_batch, shuffle=False,
+                                                     max_tokens=max_tokens))
+    batches = masked_batches(src, shard, lambda b: b.to(device, compute))
+    red = validation_sums(TTTObjective(draft, ttt_steps), batches, head_rows, draft.t2d, ttt_steps,
+                          DistEnv(device=device), dtype)
+    return {"samples": len(src), **per_step(red, ttt_steps), "count_i": red[2 * ttt_steps:]}
+
+
+def per_step(red: list[float], k: int) -> dict:
+    """validation_sums' [loss sums..., correct..., counts...] as {"loss_i", "acc_i"}, means over counted positions."""
+    n = [max(1.0, x) for x in red[2 * k:]]
+    return {"loss_i": [red[i] / n[i] for i in range(k)], "acc_i": [red[k + i] / n[i] for i in range(k)]}
