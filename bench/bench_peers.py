@@ -26,9 +26,10 @@ lines, eyas's summary), and `others`: the cores other processes used during the 
 Time to accuracy (`--accuracy`): every trainer runs `--epochs` epochs (default 4) and the shim saves its draft at
 each epoch's end as the trainer itself exports it (eyas `save_draft`, speculators `save_pretrained`, SpecForge its
 draft module's `save_pretrained` without embeddings, as `specforge export --to sglang` writes it), the clock
-stopped meanwhile. speculators runs without the two norms and the sliding window its 0.9.0 defaults add, so its
-drafts are the architecture eyas imports. After each run every snapshot is read (`eyas import` for the peers) and
-scored by one evaluator, eyas's validation pass (eyas.train.heldout), on the next `--heldout` GSM8K train
+stopped meanwhile. speculators runs without the three norm variants and the sliding window its 0.9.0 defaults add
+(`--no-norm-before-residual --no-norm-before-fc --no-norm-output --full-attention-indices 0`), so its drafts are
+EAGLE-3's architecture, which eyas trains and imports. After each run every snapshot is read (`eyas import` for
+the peers) and scored by one evaluator, eyas's validation pass (eyas.train.heldout), on the next `--heldout` GSM8K train
 conversations (default 50), never trained on. The bench prints acc_0 at each snapshot and the training seconds
 each trainer took to reach a common acc_0 (the highest every run reached, or `--target-acc`), interpolated
 between snapshots, and the faster peer's time over eyas's.
@@ -152,7 +153,7 @@ def _hook_eyas() -> None:
         own, rep = a[1].sample_ids()
         if t.env.is_main:
             _snapshot(lambda folder: save_draft(t.full_draft(), folder), f"epoch{a[0] + 1}")
-        return t.env.rank, own + rep, _trainable(t.model)
+        return t.env.rank, own + rep, _trainable(t.parts.model)
 
     _timed(Trainer, "train_epoch", "eyas", after)
 
@@ -193,6 +194,7 @@ def _hook_specforge() -> None:
 
     def export(c, folder: Path) -> None:  # as its `specforge export --to sglang` writes a draft: without embeddings
         module = c.core.strategy.trainable_module()
+        module = getattr(module, "module", module)  # inside its DDP wrapper
         draft = getattr(module, "draft_model", module)
         draft.save_pretrained(folder, state_dict={k: v for k, v in draft.state_dict().items()
                                                   if "embed" not in k.lower()})
@@ -362,8 +364,10 @@ def speculators_args(args, d, out: Path, nproc: int, threads: int) -> list[str]:
             "--train-data-ratio", repr((n + 0.5) / (n + 1)),  # rows 0..n-1 train, the copy of row 0 validates
             "--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--num-workers", "0",
             "--on-missing", "raise", "--no-resume-from-checkpoint", "--seed", "0",
-            # --accuracy: the draft eyas imports (its 0.9.0 defaults add two norms and a 2,048-token window)
-            *(["--no-norm-before-fc", "--no-norm-output", "--full-attention-indices", "0"] if args.accuracy else []),
+            # --accuracy: the EAGLE-3 draft eyas imports (its 0.9.0 defaults add three norm variants and a 2,048-token
+            # window)
+            *(["--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output", "--full-attention-indices", "0"]
+              if args.accuracy else []),
             *args.spec_args.split()]
 
 
