@@ -106,6 +106,24 @@ def test_plan_shards_and_batches_cover_every_row_once_within_budgets():
         assert all(len(b) * max(ls[p] for p in b) <= 700 or len(b) == 1 for b in batches)
 
 
+def test_small_data_is_cut_into_min_shards_so_ranks_share_it_evenly():
+    """The demo's 310 samples (308 MiB) made two shards of 256 MiB and 52 MiB, and rank 0 of two extracted 83% of
+    the tokens: data smaller than min_shards shards is cut into about min_shards, and round-robin evens it out."""
+    g = torch.Generator().manual_seed(2)
+    lengths = torch.randint(20, 430, (310,), generator=g).tolist()  # ~70k tokens, as the demo's
+    budget = 256 * 2**20
+    old = plan_shards(lengths, 4613, budget)  # the budget alone: two shards, one small, as the demo had
+    assert len(old) == 2 and sum(lengths[r] for r in old[0]) > 3 * sum(lengths[r] for r in old[1])
+    shards = plan_shards(lengths, 4613, budget, min_shards=64)
+    assert 64 <= len(shards) <= 96 and sorted(r for s in shards for r in s) == list(range(310))
+    for world in (2, 4):
+        share = [sum(lengths[r] for k in shard_indices(len(shards), rank, world) for r in shards[k])
+                 for rank in range(world)]
+        assert max(share) / min(share) < 1.1, share
+    big = [500] * 400  # data of more than min_shards budgets: cut by the budget, as before
+    assert plan_shards(big, 1000, 10_000, min_shards=4) == plan_shards(big, 1000, 10_000)
+
+
 # ---------------------------------------------------------------- read-back against the target
 
 def reference_states(model, ids: torch.Tensor, layers) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,7 +183,7 @@ def test_readback_equals_output_hidden_states_of_the_same_padded_batches(bf16_ti
     reader = StoreReader(tmp_path / "s")
     rows = prepared_rows(prepared)
     lengths = [len(r["input_ids"]) for r in rows]
-    for shard in plan_shards(lengths, bytes_per_token(64, False), int(c.shard_mb * 2**20)):
+    for shard in plan_shards(lengths, bytes_per_token(64, False), int(c.shard_mb * 2**20), c.min_shards):
         for batch in plan_batches([lengths[r] for r in shard], c.batch_tokens):
             members = [shard[p] for p in batch]
             T = max(lengths[r] for r in members)

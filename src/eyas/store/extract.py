@@ -7,13 +7,13 @@ What is captured: forward hooks on the three feature layers (HF `hidden_states` 
 decoder layer i-1) and on the final norm, while the *base* model runs (`target.model.model`): no other layer's
 states are kept and no full-vocabulary logits are ever computed.
 
-How work is split: samples are sorted by length and cut into shards of about `--shard-mb`; that plan depends
-only on the data and the settings, never on the number of ranks. Shard k goes to global rank k mod world
-(`shard_indices`), each rank writes its own shards, and a shard appears only once complete (temp name, fsync,
-rename), so a restart (with any number of ranks) skips what exists and the store's content is the same however
-it was run. Within a shard, samples go through the target in length-sorted batches of <= `--batch-tokens`
-padded tokens, right-padded without an attention mask (causal attention never lets a real token see a pad);
-a background thread copies, checksums and writes while the next batch runs.
+How work is split: samples are sorted by length and cut into shards of about `--shard-mb` (and small data into
+about `--min-shards` of them); that plan depends only on the data and the settings, never on the number of ranks.
+Shard k goes to global rank k mod world (`shard_indices`), each rank writes its own shards, and a shard appears
+only once complete (temp name, fsync, rename), so a restart (with any number of ranks) skips what exists and the
+store's content is the same however it was run. Within a shard, samples go through the target in length-sorted
+batches of <= `--batch-tokens` padded tokens, right-padded without an attention mask (causal attention never lets
+a real token see a pad); a background thread copies, checksums and writes while the next batch runs.
 """
 
 from __future__ import annotations
@@ -69,6 +69,8 @@ class ExtractConfig(StageConfig):
                                                  "eager makes results independent of batching and padding")
     batch_tokens: int = opt(8192, "padded tokens per forward batch (batch size x longest sample)")
     shard_mb: float = opt(256.0, "target size of a shard file in MiB (a crash loses at most the shard in progress)")
+    min_shards: int = opt(64, "cut data smaller than this many --shard-mb into about this many shards, so that ranks "
+                              "(which take shards round-robin) get equal shares")
     limit: int = opt(0, "extract only the first N samples of the split (0: all)")
     device: str = opt("auto", "cpu, cuda, cuda:N or auto (cuda:LOCAL_RANK when CUDA is present)")
     threads: int = opt(0, "CPU threads per rank (0: the cores other work leaves free, shared by this node's ranks, "
@@ -95,6 +97,7 @@ class ExtractConfig(StageConfig):
               "index 0 is the embedding output; give e.g. --layers 2 15 27")
         check(self.batch_tokens >= 1, f"--batch-tokens {self.batch_tokens} must be >= 1", "use e.g. 8192")
         check(self.shard_mb > 0, f"--shard-mb {self.shard_mb} must be positive", "use e.g. 512")
+        check(self.min_shards >= 1, f"--min-shards {self.min_shards} must be at least 1", "use e.g. 64")
         check(self.limit >= 0, f"--limit {self.limit} is negative", "use 0 for all samples")
         check(self.concurrency >= 1, f"--concurrency {self.concurrency} must be >= 1", "use e.g. 8")
 
@@ -111,8 +114,16 @@ def shard_indices(n: int, rank: int, world: int) -> list[int]:
     return list(range(rank, n, world))
 
 
-def plan_shards(lengths: list[int], token_bytes: int, shard_bytes: int) -> list[list[int]]:
-    """Rows sorted by (length, row), cut into consecutive shards of at most shard_bytes (>= 1 sample each)."""
+MIN_SHARD_BYTES = 4 * 2**20
+
+
+def plan_shards(lengths: list[int], token_bytes: int, shard_bytes: int, min_shards: int = 1) -> list[list[int]]:
+    """Rows sorted by (length, row), cut into consecutive shards of at most shard_bytes, and of at most 1/min_shards
+    of the data (but not below MIN_SHARD_BYTES, where a file's own cost would show), so that data smaller than
+    min_shards shards is still cut into about min_shards of them (ranks take shards round-robin: a store of two
+    shards would leave one rank most of the work). >= 1 sample each."""
+    total = sum(lengths) * token_bytes
+    shard_bytes = min(shard_bytes, max(MIN_SHARD_BYTES, -(-total // max(1, min_shards))))
     order = sorted(range(len(lengths)), key=lambda r: (lengths[r], r))
     shards, cur, size = [], [], 0
     for r in order:
@@ -272,9 +283,10 @@ def _run(cfg: ExtractConfig, env, con, target, cpu: Threads) -> dict:
     check_layers(layer_ids, target.num_layers)
     store = Path(cfg.store)
     bpt = bytes_per_token(target.hidden_size, cfg.compact)
-    shards = plan_shards(lengths, bpt, int(cfg.shard_mb * 2**20))
+    shards = plan_shards(lengths, bpt, int(cfg.shard_mb * 2**20), cfg.min_shards)
     header = _store_header(cfg, target, layer_ids, fingerprint, n)
-    settings = {"header": header, "shard_mb": cfg.shard_mb, "batch_tokens": cfg.batch_tokens,
+    settings = {"header": header, "shard_mb": cfg.shard_mb, "min_shards": cfg.min_shards,
+                "batch_tokens": cfg.batch_tokens,
                 "attention": "vllm" if cfg.engine == "vllm" else target.model.config._attn_implementation}
     if cfg.engine != "local":  # a store is extracted by one engine: never states of two mixed
         settings["engine"] = cfg.engine
@@ -372,12 +384,14 @@ def _prepare_store(cfg, con, env, target, shards, lengths, settings, bpt) -> dic
     old = store / SETTINGS_FILE
     if old.is_file():
         prev = read_json(old, f"use a new --store folder, or remove {old} if the store holds nothing you need")
+        prev.setdefault("min_shards", 1)  # a store begun before --min-shards existed was cut with 1
         diff = changed_settings(prev, settings)
         if diff:
             raise EyasError(f"{store} was started with other settings ({', '.join(diff)} "
                             f"differ{'s' if len(diff) == 1 else ''})",
                             "resuming would mix hidden states of two different runs in one store",
-                            f"rerun with the first run's settings (see {old}) or use a new --store folder")
+                            f"rerun with the first run's settings (see {old}; a store begun before eyas had "
+                            "--min-shards needs --min-shards 1) or use a new --store folder")
     elif store.exists() and any(p.name != f"{SETTINGS_FILE}.tmp" for p in store.iterdir()):  # a kill's leftover
         raise EyasError(f"{store} exists and is not an extract in progress", fix="use a new or empty --store folder")
     if not cfg.dry_run:
