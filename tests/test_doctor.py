@@ -562,3 +562,13 @@ def test_real_eyas_runs(name):
         assert rep["steps_per_epoch_per_rank"] == steps_per_epoch
         assert rep["ended"] and rep["rate_steps_per_s"] > 0
         assert [a["kind"] for a in rep["anomalies"]] == ([] if truth == "sharded" else ["duplicate data"])
+
+
+def test_a_damaged_plan_gives_no_predictions_rather_than_a_crash():
+    """The fuzz test found it: a plan.json saying -1 samples made 0 steps per epoch, and a modulo by zero."""
+    from eyas.doctor.verdict import _per_epoch_from_total, predictions
+
+    assert predictions(-1, 2, 1, 0) == {} and predictions(10, 0, 1, 1) == {} and predictions(10, 2, -4, 1) == {}
+    good = predictions(100, 4, 5, 2)
+    assert good["sharded"]["steps_per_epoch"] == 5 and good["not sharded"]["steps_per_epoch"] == 20
+    assert _per_epoch_from_total(3, None, {"x": {"steps_per_epoch": 0}}, "3") == (None, "")

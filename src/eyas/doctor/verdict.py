@@ -38,7 +38,7 @@ def predictions(n, w, spb, epochs) -> dict:
     """Steps per rank per epoch (and in all) if sharded and if not, under both rules for the remainder: `pad`
     (a DistributedSampler pads each rank to ceil(N/W), the loader keeps the last partial batch) and `drop`
     (floor(N/W) samples, partial batch dropped). Formats that do not say which get both."""
-    if not (n and w and spb):
+    if not (n and w and spb and n > 0 and w > 0 and spb > 0):  # a damaged plan.json can say -1 samples
         return {}
     out = {}
     for name, (most, least) in (("sharded", (-(-n // w), n // w)), ("not sharded", (n, n))):
@@ -136,7 +136,7 @@ def _per_epoch_from_total(total: int, epochs: int | None, preds: dict, how: str)
     """A rank runs `total` steps in all (`how` says why we know): per-epoch steps, given epochs or whole epochs."""
     if epochs:
         return round(total / epochs), f"{how} steps per rank over {epochs} epoch(s)"
-    whole = [h for h, pr in preds.items() if total % pr["steps_per_epoch"] == 0]
+    whole = [h for h, pr in preds.items() if pr["steps_per_epoch"] > 0 and total % pr["steps_per_epoch"] == 0]
     if len(whole) == 1:
         k = total // preds[whole[0]]["steps_per_epoch"]
         return total // k, f"{how} steps per rank, a whole number of epochs only if {whole[0]} ({k} epoch(s))"
