@@ -116,10 +116,12 @@ def test_an_interrupted_run_stops_its_engine_and_a_rerun_finishes(folder, tmp_pa
     cmd = [sys.executable, "-m", "eyas", "regenerate", "--data", str(data), "--out", str(out), "--target",
            str(folder), "--max-new-tokens", "12", "--engine", "vllm", "--engine-python", opts["engine_python"],
            "--engine-port", str(opts["engine_port"]), "--concurrency", "1", "--quiet"]
-    # 0.5 s a reply: 24 take 12 s or more, so the run is still going when the signal comes (at 0.1 s a reply a
-    # descheduled test process twice let it finish first); the rerun below answers at once
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(REPO / "src"), "FAKE_VLLM_DELAY_S": "0.5"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # 0.1 s a reply: 24 take 2.4 s or more, so the run is still going when the signal comes. SIGINT's default
+    # restored in the child: a test run started in the background of a non-interactive shell ignores SIGINT, the
+    # child would inherit that, and Python keeps an ignored SIGINT ignored (the run then finished all 24)
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(REPO / "src"), "FAKE_VLLM_DELAY_S": "0.1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and (not out.exists() or out.read_text().count("\n") < 2):
         assert proc.poll() is None, proc.stderr.read().decode()
