@@ -28,6 +28,7 @@ attention over the context, a few per cent more at these lengths, is left out, s
     python bench/bench_regenerate.py --methods slots hf engine --concurrency 64 128 256   # the issue's targets
     python bench/bench_regenerate.py --methods engine --concurrency 128 --hogs 0 1 2 --engine-bind eyas vllm
                                                       # beside busy processes: eyas's thread choice and vLLM's own
+    python bench/bench_regenerate.py --methods slots --workers 1 2 --hogs 0 2   # worker processes, quiet and loaded
     python bench/bench_regenerate.py --attention      # the single-query attention alone: cost per call and per column
 
 `--attention` times eyas.core.generate.decode_attention on SmolLM2-135M's shapes over a cache slice, against
@@ -39,6 +40,7 @@ eyas.core.generate.GROUP estimates.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import subprocess
@@ -87,6 +89,9 @@ def main() -> None:
                     help="the engine's threads: eyas's choice from the free cores (eyas.core.engine.cpu_env) or "
                          "vLLM's own binding, one thread to each core (VLLM_CPU_OMP_THREADS_BIND=auto); with "
                          "several --hogs the engine starts anew beside each number of busy processes")
+    ap.add_argument("--workers", type=int, nargs="+", default=[1],
+                    help="the local methods (slots, hf) on this many worker processes (eyas.data.workers), each in "
+                         "turn; each worker has --batch slots")
     ap.add_argument("--attention", action="store_true", help="time the single-query attention alone")
     a = ap.parse_args()
     if a.attention:
@@ -96,8 +101,10 @@ def main() -> None:
     from eyas.core.log import Console
     from eyas.data.engine import EngineBackend
     from eyas.data.formats import Issues
-    from eyas.data.regenerate import pending, run_batches, run_slots
+    from eyas.data.local import run_batches, run_slots
+    from eyas.data.regenerate import pending, run_local
     from eyas.data.server import run_server
+    from eyas.data.workers import Workers
 
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                "unknown CPU")
@@ -107,9 +114,10 @@ def main() -> None:
     backends = {}
     results: dict[tuple[str, str], list[float]] = {}
     replies: dict[tuple[str, str], dict] = {}
-    runs = [(m, f"batch {b}", b, "") for b in a.batch for m in a.methods if m not in ("server", "engine")]
-    runs += [("server", f"concurrency {c}", c, "") for c in a.concurrency if "server" in a.methods]
-    runs += [("engine", f"concurrency {c}" + (f", {bind}" if len(a.engine_bind) > 1 else ""), c, bind)
+    runs = [(m, f"batch {b}" + (f" x{w} workers" if w > 1 else ""), b, "", w) for w in a.workers for b in a.batch
+            for m in a.methods if m not in ("server", "engine") and (w == 1 or m != "batches")]
+    runs += [("server", f"concurrency {c}", c, "", 1) for c in a.concurrency if "server" in a.methods]
+    runs += [("engine", f"concurrency {c}" + (f", {bind}" if len(a.engine_bind) > 1 else ""), c, bind, 1)
              for bind in a.engine_bind for c in a.concurrency if "engine" in a.methods]  # one engine at a time
     engine_out = Path(tempfile.mkdtemp(prefix="bench-regenerate-")) / "engine.jsonl"  # the engine's log beside it
     loaded: dict[tuple[str, str, int], float] = {}
@@ -118,13 +126,15 @@ def main() -> None:
             procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(hogs)]
             try:
                 for _ in range(a.repeats):
-                    for m, setting, n, bind in runs:  # alternated: a slow spell of the machine hits every method
-                        backend = backend_for(a, m, n, backends, con, engine_out, bind)
+                    for m, setting, n, bind, w in runs:  # alternated: a slow spell of the machine hits every method
+                        backend = backend_for(a, m, n, backends, con, engine_out, bind, w)
                         cfg = backend.cfg
                         todo, _ = pending(cfg, set(), Issues())
                         sink = Tally()
                         t0 = time.perf_counter()
                         runner = {"slots": run_slots, "server": run_server, "engine": run_server}.get(m, run_batches)
+                        if isinstance(backend, Workers):  # each worker runs the method's own loop (answer_here)
+                            runner = run_local
                         runner(backend, todo, sink)
                         seconds = time.perf_counter() - t0
                         if hogs == a.hogs[0]:
@@ -142,26 +152,28 @@ def main() -> None:
                     proc.wait()
     finally:
         for b in backends.values():
-            if isinstance(b, EngineBackend):
+            if isinstance(b, (EngineBackend, Workers)):
                 b.close()
     report(a, backends, results, replies)
     if len(a.hogs) > 1:
         print("beside busy processes (each against the first column):")
         print(f"{'method':8s} {'setting':16s} " + " ".join(f"{f'{h} busy':>17s}" for h in a.hogs))
-        for m, setting, _, _ in runs:
+        for m, setting, *_ in runs:
             q = loaded[m, setting, a.hogs[0]]
             print(f"{m:8s} {setting:16s} " + " ".join(
                 f"{loaded[m, setting, h]:8.1f} ({loaded[m, setting, h] / q:4.2f}x)" for h in a.hogs))
 
 
-def backend_for(a, m: str, n: int, backends: dict, con, engine_out: Path, bind: str = ""):
-    """The backend of method `m` at batch size / concurrency `n`: one loaded target per generator, one engine
-    for every concurrency of a thread binding (one engine at a time; its start-up and threads are printed, not
-    counted)."""
+def backend_for(a, m: str, n: int, backends: dict, con, engine_out: Path, bind: str = "", workers: int = 1):
+    """The backend of method `m` at batch size / concurrency `n`: one loaded target per generator and number of
+    worker processes, one engine for every concurrency of a thread binding (one engine at a time; its start-up
+    and threads are printed, not counted)."""
     from eyas.core.engine import cpu_env
     from eyas.data.engine import EngineBackend
-    from eyas.data.regenerate import LocalBackend, RegenerateConfig
+    from eyas.data.local import LocalBackend
+    from eyas.data.regenerate import RegenerateConfig
     from eyas.data.server import ServerBackend
+    from eyas.data.workers import Workers
 
     gen = "hf" if m == "hf" else "lean"
     cfg = RegenerateConfig(target=a.target, data=(a.data,), max_samples=a.samples, batch_size=n, concurrency=n,
@@ -169,7 +181,7 @@ def backend_for(a, m: str, n: int, backends: dict, con, engine_out: Path, bind: 
                            engine_python=a.engine_python, engine_args=a.engine_args, max_new_tokens=a.max_new_tokens,
                            max_turns=a.max_turns,
                            dtype=a.dtype, generator=gen, quiet=True, out=str(engine_out))
-    key = (m, bind) if m in ("server", "engine") else (gen, "")
+    key = (m, bind) if m in ("server", "engine") else (gen, workers)
     if key not in backends:
         if m == "engine":  # one engine at a time: an idle one beside would be other work
             for other in [k for k in backends if k[0] == "engine"]:
@@ -181,7 +193,10 @@ def backend_for(a, m: str, n: int, backends: dict, con, engine_out: Path, bind: 
             if m == "engine":
                 print(f"  {cpu_env()[1]}", flush=True)
             t0 = time.perf_counter()
-            backends[key] = {"server": ServerBackend, "engine": EngineBackend}.get(m, LocalBackend)(cfg, con)
+            if workers > 1:
+                backends[key] = Workers(dataclasses.replace(cfg, workers=workers), con, workers, "--workers")
+            else:
+                backends[key] = {"server": ServerBackend, "engine": EngineBackend}.get(m, LocalBackend)(cfg, con)
         finally:
             for k, v in saved.items():
                 if v is None:
@@ -202,7 +217,7 @@ def report(a, backends: dict, results: dict, replies: dict) -> None:
     import torch
 
     from eyas.core.target import load_target
-    from eyas.data.regenerate import LocalBackend
+    from eyas.data.local import LocalBackend
 
     loaded = next((b.target for b in backends.values() if isinstance(b, LocalBackend)), None)
     rate, per_token = gemm_rate(loaded or load_target(a.target, dtype=a.dtype, device=torch.device("cpu")))
@@ -305,6 +320,8 @@ def gemm_rate(t) -> tuple[float, float]:
     per_token = 2 * (sum(w.numel() for w in weights) + t.model.lm_head.weight.numel())
     w = lean.wgu[0]
     x = torch.randn(512, w.shape[1], dtype=w.dtype)
+    threads = torch.get_num_threads()  # the machine's rate: every core (a loaded run may have left this process one)
+    torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
     with torch.inference_mode():
         for _ in range(5):
             F.linear(x, w)
@@ -312,6 +329,7 @@ def gemm_rate(t) -> tuple[float, float]:
         for _ in range(n):
             F.linear(x, w)
         seconds = (time.perf_counter() - t0) / n
+    torch.set_num_threads(threads)
     return 2 * x.shape[0] * w.numel() / seconds, per_token
 
 

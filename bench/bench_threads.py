@@ -11,7 +11,8 @@ The kernels are what each stage spends its time in, on SmolLM2-135M in bf16:
   sequence of 1,024 tokens, draft vocabulary 8,192), tokens/s;
 - evaluate: one-row greedy decoding, as plain and speculative decoding run it (new tokens/s).
 
-With ranks, extract's ranks run the same forward on their own batches (the rate is their sum) and train's ranks
+With ranks, regenerate's ranks decode their own prompts as `eyas regenerate`'s worker processes do, and
+extract's ranks run the same forward on their own batches (the rate is their sum), and train's ranks
 run the TTT objective wrapped in DistributedDataParallel as the trainer wraps it, so every step all-reduces the
 gradients; the rate is the ranks' tokens together.
 
@@ -149,7 +150,7 @@ def main() -> None:
     ap.add_argument("--hogs", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--repeats", type=int, default=1, help="rounds of every condition, alternated (medians shown)")
     ap.add_argument("--ranks", type=int, default=0,
-                    help="ranks of the ranked mode for extract and train (default: one per core; 1: no ranked mode)")
+                    help="ranks of the ranked mode for regenerate, extract and train (default: one per core; 1: none)")
     a = ap.parse_args()
 
     from eyas.core.target import load_target
@@ -164,7 +165,7 @@ def main() -> None:
     work = kernels(target, a.kernels)
     world = a.ranks or cores
     ranked_mode = f"{world} ranks"
-    modes = {name: ["eyas", "all cores"] + ([ranked_mode] if world > 1 and name in ("extract", "train") else [])
+    modes = {name: ["eyas", "all cores"] + ([ranked_mode] if world > 1 and name != "evaluate" else [])
              for name in work}
     table: dict[tuple[str, str, int], list[float]] = {}
     whys: dict[int, str] = {}

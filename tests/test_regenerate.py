@@ -303,7 +303,8 @@ def test_sigkill_then_rerun_resumes_without_duplicates_or_gaps(servers, tmp_path
 
 @pytest.fixture
 def local_tiny(tiny_target, monkeypatch):
-    monkeypatch.setattr("eyas.data.regenerate.load_target", lambda spec, **kw: tiny_target)
+    monkeypatch.setattr("eyas.data.local.load_target", lambda spec, **kw: tiny_target)
+    monkeypatch.setattr("eyas.data.regenerate.plan_workers", lambda cfg, n: (1, "this process"))  # patched here
     # one thread: on a shared 2-core machine OpenMP's second thread makes these tiny forwards ~10x slower
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -6,8 +6,10 @@ every user message, turn by turn: the second user message follows the target's o
 assistant messages are dropped; prompt-only data (MT-Bench `turns`, plain prompts) works the same way.
 
 Backends:
-- local: the loaded target through `transformers` `generate`, `--batch-size` conversations a step (left-padded),
-  greedy at `--temperature 0`, else sampled; replies end at EOS / the template's end-of-turn token.
+- local: the loaded target (eyas.data.local), eyas's continuous batching or `transformers` `generate`,
+  `--batch-size` conversations at a time, greedy at `--temperature 0`, else sampled; replies end at EOS / the
+  template's end-of-turn token. On a CPU, one worker process per core (eyas.data.workers).
+- `--engine vllm`: a vLLM server eyas starts and stops (eyas.data.engine).
 - `--server URL`: any OpenAI-compatible `/v1/chat/completions` (vLLM, SGLang, llama.cpp) with `--concurrency`
   conversations in flight on threads; each request has a `--timeout`, failures are retried with exponential
   backoff up to `--retries` times within `--retry-time` seconds (eyas/regenerate_server.py).
@@ -25,18 +27,12 @@ import dataclasses
 import time
 from pathlib import Path
 
-import torch
-
 from eyas.core.config import StageConfig, changed_settings, check, opt
 from eyas.core.dist import pick_device
 from eyas.core.errors import EyasError, Incomplete
 from eyas.core.files import read_json, write_json
-from eyas.core.generate import BatchGenerator, SlotGenerator, supports
 from eyas.core.log import console, fmt_duration, fmt_int
-from eyas.core.memory import tune_allocator
-from eyas.core.target import DEFAULT_TARGET, load_target
-from eyas.core.threads import Threads
-from eyas.data.chat import ChatRenderer
+from eyas.core.target import DEFAULT_TARGET
 from eyas.data.engine import ENGINE_CONCURRENCY, EngineBackend
 from eyas.data.formats import (
     Conversation,
@@ -44,8 +40,10 @@ from eyas.data.formats import (
     read_conversations,
     resolve_data,
 )
-from eyas.data.replies import LEFT_OUT, TOO_LONG, Dialogue, Failed, Reply, Sink, prompt_limit, read_done, too_long
+from eyas.data.local import LocalBackend, answer_here
+from eyas.data.replies import LEFT_OUT, TOO_LONG, Sink, read_done
 from eyas.data.server import SERVER_CONCURRENCY, ServerBackend, run_server
+from eyas.data.workers import Workers, plan_workers
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,8 +65,10 @@ class RegenerateConfig(StageConfig):
                          "(transformers generate, any model); auto = lean where it applies",
                          choices=("auto", "lean", "hf"))
     device: str = opt("auto", "local backend: auto, cpu, cuda, cuda:1, ...")
-    threads: int = opt(0, "local backend: CPU threads (0: the cores other work leaves free, re-checked as it runs; "
-                          "an explicit OMP_NUM_THREADS also wins)")
+    threads: int = opt(0, "local backend: CPU threads of each worker (0: its share of the cores other work leaves "
+                          "free, re-checked as it runs; an explicit OMP_NUM_THREADS also wins)")
+    workers: int = opt(0, "local backend: processes, each with a copy of the target (0: one per core on a CPU, "
+                          "fewer for few conversations or little memory; 1 on a GPU)")
     dtype: str = opt("float32", "local backend: float32, bfloat16 or float16",
                      choices=("float32", "bfloat16", "float16"))
     engine: str = opt("local", "local: the target loaded here answers (--generator); vllm: a vLLM server eyas starts "
@@ -102,6 +102,9 @@ class RegenerateConfig(StageConfig):
         check(0 < self.top_p <= 1, f"--top-p {self.top_p} is not in (0, 1]", "use e.g. 0.95, or 1")
         check(self.batch_size >= 1, f"--batch-size {self.batch_size} is below 1", "use e.g. 8")
         check(self.threads >= 0, f"--threads {self.threads} is negative", "use 0 for the free cores")
+        check(self.workers >= 0, f"--workers {self.workers} is negative", "use 0 for one per core")
+        check(self.workers <= 1 or not pick_device(self.device).startswith("cuda"),
+              f"--workers {self.workers} on a GPU", "use --workers 1 and a larger --batch-size on a GPU")
         check(self.concurrency >= 0, f"--concurrency {self.concurrency} is negative", "use 0 for the default")
         check(not (self.server and self.engine == "vllm"), "--server and --engine vllm both given",
               "--server answers through a server already running, --engine vllm starts one: pass one of them")
@@ -111,170 +114,6 @@ class RegenerateConfig(StageConfig):
 
 
 PERMANENT = {TOO_LONG, LEFT_OUT}
-
-
-class LocalBackend:
-    """The target itself, answering `batch_size` conversations per `generate` call."""
-
-    def __init__(self, cfg: RegenerateConfig, con):
-        self.cfg, self.con = cfg, con
-        device = pick_device(cfg.device)
-        tune_allocator()  # eyas.core.memory: freed buffers stay in the process (no page faults per step)
-        self.cpu = Threads(cfg.threads, 1, device)
-        con.print("threads: %d (%s)" % self.cpu.apply())
-        self.target = load_target(cfg.target, dtype=cfg.dtype, device=device, trust_remote_code=cfg.trust_remote_code)
-        con.print(self.target.info())
-        self.renderer = ChatRenderer(self.target.tokenizer)
-        self.stops = self.renderer.stop_token_ids()
-        pad = self.target.tokenizer.pad_token_id
-        self.pad = pad if pad is not None else self.stops[0]
-        self.max_prompt = prompt_limit(getattr(self.target.text_config, "max_position_embeddings", None), cfg)
-        torch.manual_seed(cfg.seed)
-        self.rng = torch.Generator(device=self.target.device).manual_seed(cfg.seed)
-        self.lean = self._lean(cfg.generator)
-
-    def _lean(self, choice: str):
-        """The batched lean decoder when it applies (Llama family, stops by token only), else None (generate)."""
-
-        fits = supports(self.target) and not self.renderer.stop_strings
-        if choice == "lean" and not fits:
-            raise EyasError(f"--generator lean does not apply to {self.target.name}",
-                            f"it decodes Llama-family targets that stop on a token (this is "
-                            f"{getattr(self.target.text_config, 'model_type', '?')}"
-                            f"{', with stop strings' if self.renderer.stop_strings else ''})",
-                            "use --generator hf (or auto)")
-        return BatchGenerator(self.target) if fits and choice != "hf" else None
-
-    @property
-    def name(self) -> str:
-        return self.target.name
-
-    def prompt_ids(self, prompt: list[dict]) -> list[int] | Failed:
-        """The rendered prompt's token ids, or a Failed if it is too long for the target's context."""
-        ids = self.renderer.prompt_ids(prompt)
-        return ids if len(ids) <= self.max_prompt else too_long(len(ids), self.cfg, "the target's context")
-
-    def slots(self) -> SlotGenerator:
-        """The continuous-batching engine over `--batch-size` slots (the lean decoder only)."""
-        cfg = self.cfg
-        return SlotGenerator(self.target, cfg.batch_size, cfg.max_new_tokens, set(self.stops), cfg.temperature,
-                             cfg.top_p, self.rng)
-
-    def recheck_threads(self) -> None:
-        if changed := self.cpu.recheck():
-            self.con.print(changed)
-
-    def generate(self, prompts: list[list[dict]]) -> list[Reply | Failed]:
-        """One reply per prompt (a Failed for a prompt too long for the target's context)."""
-
-        self.recheck_threads()
-        ids = [self.prompt_ids(p) for p in prompts]
-        ok = [i for i, x in enumerate(ids) if not isinstance(x, Failed)]
-        out: list[Reply | Failed] = [x if isinstance(x, Failed) else None for x in ids]
-        if not ok:
-            return out
-        if self.lean is not None:
-            cfg = self.cfg
-            rows = self.lean.generate([ids[i] for i in ok], cfg.max_new_tokens, set(self.stops), cfg.temperature,
-                                      cfg.top_p, self.rng)
-            for row, i in zip(rows, ok):
-                out[i] = self.reply(row)
-            return out
-        width = max(len(ids[i]) for i in ok)
-        batch = torch.tensor([[self.pad] * (width - len(ids[i])) + ids[i] for i in ok])  # [B, T] left-padded
-        attn = torch.tensor([[0] * (width - len(ids[i])) + [1] * len(ids[i]) for i in ok])  # [B, T]
-        dev = self.target.device
-        with torch.no_grad():
-            gen = self.target.model.generate(input_ids=batch.to(dev), attention_mask=attn.to(dev), **self._sampling())
-        for row, i in zip(gen[:, width:].tolist(), ok):  # [B, new] generated tokens
-            out[i] = self.reply(row)
-        return out
-
-    def _sampling(self) -> dict:
-        cfg, greedy = self.cfg, self.cfg.temperature == 0
-        kw = dict(max_new_tokens=cfg.max_new_tokens, do_sample=not greedy, eos_token_id=self.stops,
-                  pad_token_id=self.pad, temperature=None if greedy else cfg.temperature,
-                  top_p=None if greedy else cfg.top_p, top_k=None)
-        if self.renderer.stop_strings:
-            kw.update(stop_strings=self.renderer.stop_strings, tokenizer=self.target.tokenizer)
-        return kw
-
-    def reply(self, row: list[int]) -> Reply:
-        text, tokens, stopped = self.renderer.reply(row, self.stops)
-        return Reply(text, tokens, cut=not stopped)
-
-
-def run_local(backend: LocalBackend, todo: list[Conversation], sink: Sink) -> None:
-    """Keep `batch_size` conversations active: the lean decoder refills a finished row's slot at once
-    (`run_slots`); transformers' `generate` answers the next user turn of all of them together (`run_batches`)."""
-    return (run_slots if backend.lean is not None else run_batches)(backend, todo, sink)
-
-
-def run_batches(backend: LocalBackend, todo: list[Conversation], sink: Sink) -> None:
-    """Batch by batch: each step answers the next user turn of all `batch_size` active conversations, and waits
-    for the longest reply among them."""
-    queue = iter(todo)
-    active: list[tuple[Dialogue, list[dict]]] = []
-    while True:
-        while len(active) < backend.cfg.batch_size and (conv := next(queue, None)) is not None:
-            d = Dialogue(conv)
-            active.append((d, d.next_prompt()))
-        if not active:
-            return
-        replies = backend.generate([p for _, p in active])
-        sink.step(sum(r.tokens for r in replies if isinstance(r, Reply)))
-        still = []
-        for (d, _), r in zip(active, replies):
-            try:
-                if isinstance(r, Failed):
-                    raise r
-                d.answer(r)
-            except Failed as e:
-                sink.failed(d.conv, e)
-                continue
-            prompt = d.next_prompt()
-            if prompt is None:
-                sink.finished(d)
-            else:
-                still.append((d, prompt))
-        active = still
-
-
-def run_slots(backend: LocalBackend, todo: list[Conversation], sink: Sink) -> None:
-    """Continuous batching: `batch_size` slots decode together; when a reply ends, its conversation's next turn
-    (or the next conversation) takes the slot at once, so no slot waits for the longest reply of a batch."""
-    engine, queue, steps, made = backend.slots(), iter(todo), 0, 0
-
-    def offer(d: Dialogue, prompt: list[dict] | None) -> None:
-        if prompt is None:
-            sink.finished(d)
-            return
-        ids = backend.prompt_ids(prompt)
-        if isinstance(ids, Failed):
-            sink.failed(d.conv, ids)
-        else:
-            engine.submit(d, ids)
-
-    while True:
-        while engine.busy() + len(engine.queue) < engine.S and (conv := next(queue, None)) is not None:
-            d = Dialogue(conv)
-            offer(d, d.next_prompt())
-        if engine.idle():
-            break
-        made += engine.busy() + len(engine.queue)
-        for d, row in engine.step():
-            try:
-                d.answer(backend.reply(row))
-            except Failed as e:
-                sink.failed(d.conv, e)
-                continue
-            offer(d, d.next_prompt())
-        steps += 1
-        if steps % 16 == 0:
-            sink.step(made)
-            made = 0
-            backend.recheck_threads()
-    sink.step(made)
 
 
 # ---------------------------------------------------------------- the stage
@@ -395,7 +234,7 @@ def _run(cfg: RegenerateConfig, con, out: Path) -> dict:
             check_settings(cfg, out, backend.name, con)
         else:  # checked before minutes go into loading the target or starting an engine
             check_settings(cfg, out, cfg.target, con)
-            backend = EngineBackend(cfg, con) if cfg.engine == "vllm" else LocalBackend(cfg, con)
+            backend = EngineBackend(cfg, con) if cfg.engine == "vllm" else local_backend(cfg, con, len(todo))
     con.print(f"regenerate: {fmt_int(len(todo))} conversations to do, {fmt_int(skipped)} already in {out}")
     bar = con.progress(total=len(todo), desc="regenerate", unit="conv")
     sink = Sink(out, bar)
@@ -408,7 +247,7 @@ def _run(cfg: RegenerateConfig, con, out: Path) -> dict:
     finally:
         sink.close()
         bar.close()
-        if isinstance(backend, EngineBackend):
+        if isinstance(backend, (EngineBackend, Workers)):
             backend.close()
     summary = _summary(cfg, backend, sink, issues, len(todo), skipped, stopped, time.perf_counter() - t0)
     _report(con, summary, sink.failures, issues, sink.left_out)
@@ -422,10 +261,26 @@ def _run(cfg: RegenerateConfig, con, out: Path) -> dict:
     return summary
 
 
+def local_backend(cfg: RegenerateConfig, con, conversations: int) -> LocalBackend | Workers:
+    """The target loaded in this process, or in worker processes (eyas.data.workers.plan_workers)."""
+    n, why = plan_workers(cfg, conversations)
+    return Workers(cfg, con, n, why) if n > 1 else LocalBackend(cfg, con)
+
+
+def run_local(backend: LocalBackend | Workers, todo: list[Conversation], sink: Sink) -> None:
+    """Answer `todo` locally, in this process or on the workers."""
+    if isinstance(backend, Workers):
+        backend.run(todo, sink)
+    else:
+        answer_here(backend, todo, sink)
+
+
 def _summary(cfg, backend, sink: Sink, issues: Issues, todo: int, skipped: int, stopped: str, elapsed: float) -> dict:
     return {
         "out": cfg.out, "data": list(cfg.data),
         "backend": "server" if cfg.server else "engine" if cfg.engine != "local" else "local",
+        "workers": backend.n if isinstance(backend, Workers) else 1,
+        "conversations_by_worker": backend.finished if isinstance(backend, Workers) else None,
         "model": getattr(backend, "name", cfg.target), "to_do": todo, "done": sink.done, "skipped": skipped,
         "failed": sink.failures.total(), "failures": sink.failures.to_dict(), "input_issues": issues.to_dict(),
         "left_out": sink.left_out.total(), "left_out_reasons": sink.left_out.to_dict(),
@@ -451,4 +306,6 @@ def _report(con, s: dict, failures: Issues, issues: Issues, left_out: Issues) ->
                 f"{fmt_int(s['failed'])} failed, "
                 + (f"{fmt_int(s['left_out'])} left out (--max-prompt-tokens), " if s["left_out"] else "")
                 + f"{fmt_int(s['tokens'])} tokens at {s['tokens_per_s']:.1f} tok/s, "
-                f"{fmt_duration(s['elapsed_s'])} -> {s['out']}")
+                + (f"on {s['workers']} workers ({' + '.join(map(fmt_int, s['conversations_by_worker']))} "
+                   "conversations), " if s["workers"] > 1 else "")
+                + f"{fmt_duration(s['elapsed_s'])} -> {s['out']}")

@@ -38,6 +38,9 @@ class Failed(Exception):
         super().__init__(f"{reason}: {detail}")
         self.reason, self.detail = reason, detail
 
+    def __reduce__(self):  # pickled as its two fields (a worker process sends failures to the parent)
+        return Failed, (self.reason, self.detail)
+
 
 class Dialogue:
     """One conversation being regenerated: its system and user messages replayed, each user turn answered."""
