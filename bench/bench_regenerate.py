@@ -120,7 +120,7 @@ def main() -> None:
     runs += [("engine", f"concurrency {c}" + (f", {bind}" if len(a.engine_bind) > 1 else ""), c, bind, 1)
              for bind in a.engine_bind for c in a.concurrency if "engine" in a.methods]  # one engine at a time
     engine_out = Path(tempfile.mkdtemp(prefix="bench-regenerate-")) / "engine.jsonl"  # the engine's log beside it
-    loaded: dict[tuple[str, str, int], float] = {}
+    loaded: dict[tuple[str, str, int], list[float]] = {}
     try:
         for hogs in a.hogs:
             procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(hogs)]
@@ -140,7 +140,7 @@ def main() -> None:
                         if hogs == a.hogs[0]:
                             results.setdefault((m, setting), []).append(sink.tokens / seconds)
                             replies[m, setting] = sink.replies
-                        loaded.setdefault((m, setting, hogs), sink.tokens / seconds)
+                        loaded.setdefault((m, setting, hogs), []).append(sink.tokens / seconds)
                         print(f"  {m:8s} {setting:15s} {hogs} busy: {sink.tokens:6d} reply tokens in "
                               f"{seconds:6.1f} s = {sink.tokens / seconds:6.1f} tokens/s", flush=True)
             finally:
@@ -156,7 +156,8 @@ def main() -> None:
                 b.close()
     report(a, backends, results, replies)
     if len(a.hogs) > 1:
-        print("beside busy processes (each against the first column):")
+        print(f"beside busy processes (each against the first column; medians of {a.repeats}):")
+        loaded = {k: statistics.median(v) for k, v in loaded.items()}
         print(f"{'method':8s} {'setting':16s} " + " ".join(f"{f'{h} busy':>17s}" for h in a.hogs))
         for m, setting, *_ in runs:
             q = loaded[m, setting, a.hogs[0]]
