@@ -113,7 +113,7 @@ class Threads:
         return self.n, self.why
 
     def _choose(self, others: float | None) -> tuple[int, str]:
-        mine = f"{len(self.cores)} cores" + (f" shared by {self.ranks} ranks" if self.ranks > 1 else "")
+        mine = f"{len(self.cores)} cores" + (f" shared by this run's {self.ranks} processes" if self.ranks > 1 else "")
         if others is None:
             return self.share, mine + " (their load is not readable here)"
         # this run's other ranks on the node are not other work: at most (ranks - 1) x share of the busy cores

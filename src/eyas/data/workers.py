@@ -145,7 +145,7 @@ class Workers:
         ctx = multiprocessing.get_context("spawn")  # a fork of a process that has run torch's threads can hang
         self.tasks, self.results = ctx.Queue(), ctx.Queue()
         self.controls = [ctx.Queue() for _ in range(n)]
-        con.print(f"workers: {n} processes ({why}), each with its own copy of the target")
+        con.print(f"workers: {n} processes, each with its own copy of the target: {why}")
         self.procs = [ctx.Process(target=worker_main, args=(cfg, n, i, os.getpid(), self.controls[i], self.tasks,
                                                                    self.results),
                                   daemon=True, name=f"eyas-regenerate-{i}") for i in range(n)]
