@@ -26,7 +26,7 @@ class FakeStat:
 
     def __init__(self, monkeypatch, cores=2):
         self.others, self.busy, self.t = 0.0, 0, 1000.0
-        monkeypatch.setattr(th, "_cores", lambda: list(range(cores)))
+        monkeypatch.setattr(th, "cores", lambda: list(range(cores)))
         monkeypatch.setattr(th, "_busy_ticks", lambda _: (self.busy, self.busy + 10**6))
         monkeypatch.setattr(th, "_own_seconds", lambda: 0.0)
         monkeypatch.setattr(th.time, "monotonic", lambda: self.t)

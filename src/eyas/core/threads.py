@@ -25,8 +25,20 @@ OMP_DEFAULTED = "EYAS_OMP_DEFAULTED"  # holds the OMP_NUM_THREADS that `eyas run
 SAMPLE_S = 0.25  # seconds /proc/stat is sampled over at start-up
 
 
-def _cores() -> list[int]:
+def cores() -> list[int]:
+    """The cores this process may run on (its affinity)."""
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def user_threads(requested: int = 0) -> tuple[int, str] | None:
+    """The thread count the user fixed, and how: `--threads N`, else an explicit OMP_NUM_THREADS (not the one
+    `eyas run` set, marked in OMP_DEFAULTED); None when it is eyas's to choose."""
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if requested:
+        return requested, "--threads"
+    if env.isdigit() and int(env) > 0 and os.environ.get(OMP_DEFAULTED) != env:
+        return int(env), f"OMP_NUM_THREADS={env}"
+    return None
 
 
 def _busy_ticks(cores: list[int]) -> tuple[int, int] | None:
@@ -80,17 +92,14 @@ class Threads:
     /proc/stat at most every RECHECK_S seconds) returns a line to print when it changed the count."""
 
     def __init__(self, requested: int = 0, ranks_on_node: int = 1, device: str = "cpu"):
-        self.cores = _cores()
+        self.cores = cores()
         self.share = max(1, len(self.cores) // max(1, ranks_on_node))
         self.ranks = max(1, ranks_on_node)
         self.fixed = ""
-        env = os.environ.get("OMP_NUM_THREADS", "").strip()
         if str(device).startswith("cuda"):
             self.fixed, self.n = "torch's default (the GPU computes)", torch.get_num_threads()
-        elif requested:
-            self.fixed, self.n = "--threads", requested
-        elif env.isdigit() and int(env) > 0 and os.environ.get(OMP_DEFAULTED) != env:
-            self.fixed, self.n = f"OMP_NUM_THREADS={env}", int(env)
+        elif fixed := user_threads(requested):
+            self.n, self.fixed = fixed
         self.sampler: Sampler | None = None
         self.last_check = 0.0
         self.why = self.fixed

@@ -25,6 +25,7 @@ from typing import Iterable, Iterator, Protocol
 from eyas.core.dist import pick_device
 from eyas.core.errors import EyasError
 from eyas.core.target import TINY, resolve_source
+from eyas.core.threads import cores, user_threads
 from eyas.data.formats import Conversation
 from eyas.data.local import LocalBackend, LocalSettings, answer_here
 from eyas.data.replies import Dialogue, Failed, Sink
@@ -48,11 +49,10 @@ def plan_workers(cfg: WorkerSettings, conversations: int) -> tuple[int, str]:
         return cfg.workers, "--workers"
     if pick_device(cfg.device).startswith("cuda"):
         return 1, "the GPU computes"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    env = os.environ.get("OMP_NUM_THREADS", "").strip()
-    each = cfg.threads or (int(env) if env.isdigit() and int(env) > 0 else 1)
-    n = max(1, cores // each)
-    why = f"one per {'core' if each == 1 else f'{each} cores'} ({cores} here)"
+    here = len(cores())
+    each = (user_threads(cfg.threads) or (1, ""))[0]
+    n = max(1, here // each)
+    why = f"one per {'core' if each == 1 else f'{each} cores'} ({here} here)"
     if n > 1 and (fill := max(1, conversations // cfg.batch_size)) < n:
         n, why = fill, f"{conversations} conversations fill --batch-size {cfg.batch_size} for {fill}"
     if n > 1 and (fits := _copies_that_fit(cfg)) < n:
@@ -191,9 +191,11 @@ class Workers:
             elif what == "step":
                 sink.step(payload)
             elif what == "print":
-                if i == 0 or payload[0].startswith("threads"):  # the target's lines once, each worker's threads
-                    self.con.print(f"worker {i}: {payload[0]}" if payload[0].startswith("threads") else payload[0],
-                                   force=payload[1])
+                line, force = payload
+                if line.startswith("threads"):  # each worker's own
+                    self.con.print(f"worker {i}: {line}", force=force)
+                elif i == 0:  # the target's line, the same in every worker: once
+                    self.con.print(line, force=force)
             elif what == "error":
                 what_, why, fix, trace = payload
                 raise EyasError(f"regenerate worker {i}: {what_}", why or trace.strip().splitlines()[-1],
