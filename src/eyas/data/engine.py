@@ -62,10 +62,14 @@ class EngineBackend(ServerBackend):
         if threads:
             con.print(threads)
         bar = con.progress(desc="vLLM start", unit="poll", bar_format="{desc}: {elapsed} {postfix}")
+
+        def waiting(line: str) -> None:  # the engine log's last line beside the clock, one refresh per poll
+            bar.set_postfix_str(line[:70], refresh=False)
+            bar.update()
+
         try:
             self.server = Server.start(argv, home, log, cfg.engine_port, cfg.engine_startup_s, cfg.timeout,
-                                       env, task="regeneration",
-                                       on_wait=lambda line: (bar.set_postfix_str(line[:70]), bar.update()))
+                                       env, task="regeneration", on_wait=waiting)
         finally:
             bar.close()
         self.max_prompt = prompt_limit(self.server.max_model_len, cfg)
