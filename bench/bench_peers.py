@@ -36,6 +36,18 @@ between snapshots, and the faster peer's time over eyas's.
 
     python bench/bench_peers.py --samples 100 --accuracy --repeats 1 --eyas-args "--lr 1e-3"
 
+At equal data on a recipe's own hidden states (issue 20, item 5): `--store` trains every trainer on that store
+(`--data-fraction`: the seeded share `eyas train --data-fraction` takes, the same rows for all three), scores the
+snapshots on `--heldout-store`, and `--export` keeps each run's final draft in eyas's format for one evaluation:
+
+    python bench/bench_peers.py --store runs/smollm2-recipe/store --data-fraction 0.125 \
+        --heldout-store runs/smollm2-recipe/val-store --accuracy --epochs 2 --repeats 1 --layouts 2x1 \
+        --ttt-steps 5 --lr 1e-3 --draft-vocab 8192 --eyas-args "--step-decay 0.8 --max-tokens 1024" \
+        --export runs/smollm2-recipe/peers
+    eyas evaluate --draft runs/smollm2-recipe/peers/eyas-2x1-r1 \
+        --baselines runs/smollm2-recipe/peers/speculators-2x1-r1 runs/smollm2-recipe/peers/specforge-2x1-r1 \
+        prompt-lookup --bench mt_bench --per-category 1 --no-adaptive
+
 Writes OUT/bench_peers.json and OUT/runs/<run>/log.txt; prints a table and eyas / the faster peer (medians).
 The peers' venv: ../shared/peers/README.md, "Install".
 """
@@ -181,7 +193,19 @@ def _hook_speculators() -> None:
 
 def _hook_specforge() -> None:
     import specforge.training.controller as C
+    import specforge.training.model_loading as ML
     import torch.distributed as dist
+
+    vocab = int(os.environ.get("BENCH_SF_DRAFT_VOCAB", "0"))
+    if vocab:  # its EAGLE-3 draft config fixes draft_vocab_size at 32,000 unless a whole config file is given
+        generate = ML._generate_draft_config
+
+        def sized(cfg, provider):
+            config = generate(cfg, provider)
+            config.draft_vocab_size = vocab
+            return config
+
+        ML._generate_draft_config = sized
 
     seen: list[str] = []
     step = C.TrainerCore.train_step
@@ -225,10 +249,13 @@ def _eyas(*argv: str) -> None:
 
 
 def build_data(args) -> dict:
-    """Prepared data, the eyas store, the peers' layouts and a verifier folder, cached by a hash of the settings."""
+    """Prepared data, the eyas store, the peers' layouts and a verifier folder, cached by a hash of the settings;
+    with --store, that store (the share --data-fraction takes of it) in place of prepared GSM8K conversations."""
     from eyas.core.paths import cache_dir
     from eyas.store.reader import StoreReader
 
+    if args.store:
+        return build_from_store(args)
     gsm8k = Path(args.gsm8k)
     key = {"samples": args.samples, "target": args.target, "layers": args.layers, "dtype": args.extract_dtype,
            "gsm8k": [str(gsm8k.resolve()), gsm8k.stat().st_size], "version": DATA_VERSION}
@@ -253,11 +280,52 @@ def build_data(args) -> dict:
                   str(root / "heldout-prepared"), "--validation", "0", "--overwrite")
             _eyas("extract", "--data", str(root / "heldout-prepared"), "--store", str(d["heldout"]), "--target",
                   args.target, "--layers", *map(str, args.layers), "--dtype", args.extract_dtype)
-    store = StoreReader(d["store"])
+    return _layouts(args, d, root, StoreReader(d["store"]), None)
+
+
+def build_from_store(args) -> dict:
+    """--store: the peers' layouts of the rows `eyas train --data-fraction F` trains on (the same seeded share, in
+    the same order), cached by the store's manifest and the share; eyas trains on the store itself with that flag.
+    Held-out scoring reads --heldout-store (a recipe's val-store)."""
+    from eyas.core.errors import EyasError
+    from eyas.core.paths import cache_dir
+    from eyas.core.weights import load_target_shell
+    from eyas.store.reader import StoreReader
+    from eyas.train.data import nested_share
+    from eyas.train.heldout import store_feature_layers
+
+    store_dir = Path(args.store).resolve()
+    if not (store_dir / "manifest.json").is_file():
+        raise EyasError(f"bench: --store {args.store} holds no eyas store (no manifest.json)",
+                        fix="pass the folder `eyas extract --store` wrote, e.g. runs/smollm2-recipe/store")
+    store = StoreReader(store_dir)
+    store.check_target(load_target_shell(args.target).identity())  # the store's target is --target
+    layers = store_feature_layers(store)
+    if layers and layers != list(args.layers):
+        print(f"bench: {args.store} holds layers {layers}: the peers are told those (not --layers "
+              f"{' '.join(map(str, args.layers))})", flush=True)
+        args.layers = layers
+    rows = [int(i) for i in nested_share(len(store), args.data_fraction, args.seed)]
+    manifest = (store_dir / "manifest.json").read_bytes()
+    key = {"store": str(store_dir), "manifest": hashlib.sha256(manifest).hexdigest(), "fraction": args.data_fraction,
+           "seed": args.seed, "target": args.target, "version": DATA_VERSION}
+    root = cache_dir() / "bench-peers" / ("store-" + hashlib.sha256(json.dumps(key).encode()).hexdigest()[:12])
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "settings.json").write_text(json.dumps(key, indent=1))
+    d = {"store": store_dir, **{k: root / k for k in ("verifier", "speculators", "specforge")}}
+    if args.heldout_store:
+        d["heldout"] = Path(args.heldout_store).resolve()
+    return _layouts(args, d, root, store, rows)
+
+
+def _layouts(args, d: dict, root: Path, store, rows: list[int] | None) -> dict:
+    """The verifier folder and both peers' layouts of the store's `rows` (all when None), position i holding row
+    rows[i]: every trainer's sample ids are then positions in that list (eyas's --data-fraction ids are too)."""
+    rows = list(range(len(store))) if rows is None else rows
     _once(d["verifier"], lambda tmp: write_verifier(args.target, tmp))
-    _once(d["speculators"], lambda tmp: write_speculators(store, args.target, tmp))
-    _once(d["specforge"], lambda tmp: write_specforge(store, tmp))
-    d.update(root=root, lengths=[int(n) for n in store.lengths],
+    _once(d["speculators"], lambda tmp: write_speculators(store, rows, args.target, tmp))
+    _once(d["specforge"], lambda tmp: write_specforge(store, rows, tmp))
+    d.update(root=root, lengths=[int(store.lengths[i]) for i in rows],
              sf_files=sorted(os.path.abspath(p) for p in d["specforge"].rglob("*.ckpt")))  # SpecForge's order
     return d
 
@@ -291,10 +359,11 @@ def write_verifier(target: str, out: Path) -> None:
             {"metadata": {"total_size": sum(w.stat().st_size for w in files)}, "weight_map": weight_map}))
 
 
-def write_speculators(store, target: str, out: Path) -> None:
+def write_speculators(store, rows: list[int], target: str, out: Path) -> None:
     """A datasets folder (input_ids, loss_mask, seq_len) + hidden_states/hs_{i}.safetensors {token_ids [L] int64,
     hidden_states [L, 4, H] bf16: the three features, then final / norm.weight}, plus token_freq.pt (loss-masked
-    ids) for its vocabulary map. A last row, a copy of row 0, is the validation split speculators insists on."""
+    ids) for its vocabulary map, of the store's `rows` in order. A last row, a copy of the first, is the validation
+    split speculators insists on."""
     from collections import Counter
 
     import datasets
@@ -306,9 +375,9 @@ def write_speculators(store, target: str, out: Path) -> None:
     norm = target_parts(target, True)[3]
     w = norm.weight.detach().float()  # [H]
     (out / "hidden_states").mkdir()
-    rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
+    cols: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
     freq: Counter = Counter()
-    for k, i in enumerate([*range(len(store)), 0]):
+    for k, i in enumerate([*rows, rows[0]]):
         s = store[i]
         L, H = s.final.shape
         last = (s.final.float() / w).to(torch.bfloat16)  # [L, H]: speculators' RMSNorm brings it back to final
@@ -319,25 +388,26 @@ def write_speculators(store, target: str, out: Path) -> None:
         hs = torch.cat([s.aux.view(L, 3, H), last.view(L, 1, H)], 1).contiguous()  # [L, 4, H]
         save_file({"token_ids": s.input_ids.clone(), "hidden_states": hs},
                   str(out / "hidden_states" / f"hs_{k}.safetensors"))
-        rows["input_ids"].append(s.input_ids.tolist())
-        rows["loss_mask"].append(s.loss_mask.long().tolist())
-        rows["seq_len"].append(L)
-        if k < len(store):
+        cols["input_ids"].append(s.input_ids.tolist())
+        cols["loss_mask"].append(s.loss_mask.long().tolist())
+        cols["seq_len"].append(L)
+        if k < len(rows):
             freq.update(s.input_ids[s.loss_mask.bool()].tolist())
     datasets.disable_progress_bars()
-    ds = datasets.Dataset.from_dict(rows)
+    ds = datasets.Dataset.from_dict(cols)
     ds.set_format(type="torch")
     ds.save_to_disk(str(out))
     torch.save(dict(freq), out / "token_freq.pt")
 
 
-def write_specforge(store, out: Path) -> None:
+def write_specforge(store, rows: list[int], out: Path) -> None:
     """rows_{g}-{g+2000}/data_{i}.ckpt = torch.save({input_ids [L] int64, loss_mask [L] int64, hidden_state [1, L, H]
-    (after the final norm), aux_hidden_state [1, L, 3H]}), as SpecForge's scripts/prepare_hidden_states.py writes."""
+    (after the final norm), aux_hidden_state [1, L, 3H]}), as SpecForge's scripts/prepare_hidden_states.py writes;
+    file i holds the store's row rows[i]."""
     import torch
 
-    for i in range(len(store)):
-        s = store[i]
+    for i, row in enumerate(rows):
+        s = store[row]
         folder = out / f"rows_{i // 2000 * 2000}-{i // 2000 * 2000 + 2000}"
         folder.mkdir(exist_ok=True)
         torch.save({"input_ids": s.input_ids.clone(), "loss_mask": s.loss_mask.long(),  # clones: torch.save of a
@@ -350,7 +420,9 @@ def write_specforge(store, out: Path) -> None:
 def eyas_args(args, d, out: Path, nproc: int, threads: int) -> list[str]:
     return ["--store", str(d["store"]), "--target", args.target, "--out", str(out), "--epochs", str(args.epochs),
             "--num-layers", "1", "--draft-vocab", str(args.draft_vocab), "--ttt-steps", str(args.ttt_steps),
-            "--lr", str(args.lr), "--threads", str(threads), "--json", *args.eyas_args.split()]
+            "--lr", str(args.lr), "--threads", str(threads), "--seed", str(args.seed),
+            *(["--data-fraction", repr(args.data_fraction)] if args.store and args.data_fraction < 1 else []),
+            "--json", *args.eyas_args.split()]
 
 
 def speculators_args(args, d, out: Path, nproc: int, threads: int) -> list[str]:
@@ -363,11 +435,11 @@ def speculators_args(args, d, out: Path, nproc: int, threads: int) -> list[str]:
             "--total-seq-len", str(max(args.spec_total_seq_len, max(d["lengths"]))),  # never truncates a sample
             "--train-data-ratio", repr((n + 0.5) / (n + 1)),  # rows 0..n-1 train, the copy of row 0 validates
             "--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--num-workers", "0",
-            "--on-missing", "raise", "--no-resume-from-checkpoint", "--seed", "0",
-            # --accuracy: the EAGLE-3 draft eyas imports (its 0.9.0 defaults add three norm variants and a 2,048-token
-            # window)
+            "--on-missing", "raise", "--no-resume-from-checkpoint", "--seed", str(args.seed),
+            # --accuracy, --export: the EAGLE-3 draft eyas imports (its 0.9.0 defaults add three norm variants and a
+            # 2,048-token window)
             *(["--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output", "--full-attention-indices", "0"]
-              if args.accuracy else []),
+              if args.snapshots else []),
             *args.spec_args.split()]
 
 
@@ -377,9 +449,9 @@ def specforge_args(args, d, out: Path, nproc: int, threads: int) -> list[str]:
            "data": {"hidden_states_path": str(d["specforge"]), "cache_dir": str(d["root"] / "specforge-cache")},
            "training": {"num_epochs": args.epochs, "batch_size": args.sf_batch_size, "learning_rate": args.lr,
                         "ttt_length": args.ttt_steps, "attention_backend": "sdpa", "fsdp_sharding": "NO_SHARD",
-                        "seed": 0},  # draft vocabulary: its default for EAGLE-3 is 32,000
+                        "seed": args.seed},  # draft vocabulary: its default for EAGLE-3 is 32,000
            "deployment": {"trainer": {"nproc_per_node": nproc}}, "output_dir": str(out), "run_id": "bench"}
-    if args.accuracy:  # a snapshot at every epoch's end (the shim takes it in place of its checkpoint)
+    if args.snapshots:  # a snapshot at every epoch's end (the shim takes it in place of its checkpoint)
         cfg["training"]["save_interval"] = max(1, len(d["lengths"]) // (args.sf_batch_size * nproc))
     out.mkdir(parents=True)
     (out / "specforge.json").write_text(json.dumps(cfg, indent=1))
@@ -401,8 +473,9 @@ def run_one(args, d, trainer: str, nproc: int, threads: int, run_dir: Path) -> d
     cmd = [*launch, str(Path(__file__).resolve()), SHIM, trainer, str(threads),
            *ARGS[trainer](args, d, out, nproc, threads)]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
-               TOKENIZERS_PARALLELISM="false", BENCH_SPEC_AUTOCAST=args.spec_autocast, BENCH_REPORT_DIR=str(run_dir))
-    if args.accuracy:
+               TOKENIZERS_PARALLELISM="false", BENCH_SPEC_AUTOCAST=args.spec_autocast, BENCH_REPORT_DIR=str(run_dir),
+               BENCH_SF_DRAFT_VOCAB=str(args.draft_vocab))
+    if args.snapshots:
         env["BENCH_SNAPSHOT_DIR"] = str(run_dir / "snapshots")
     t0 = time.perf_counter()
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=run_dir, check=False)
@@ -418,11 +491,38 @@ def run_one(args, d, trainer: str, nproc: int, threads: int, run_dir: Path) -> d
                log=str(run_dir / "log.txt"))
     if args.accuracy:
         rec["curve"] = score_snapshots(args, d, trainer, run_dir / "snapshots")
-        if not args.keep_outputs:
-            shutil.rmtree(run_dir / "snapshots", ignore_errors=True)  # a draft per epoch, tens of MB each
+    if args.export:
+        rec["export"] = str(export_last(args, trainer, run_dir / "snapshots", Path(args.export) / run_dir.name))
+    if args.snapshots and not args.keep_outputs:
+        shutil.rmtree(run_dir / "snapshots", ignore_errors=True)  # a draft per epoch, tens of MB each
     if not args.keep_outputs:
         shutil.rmtree(out, ignore_errors=True)  # checkpoints, up to hundreds of MB per run
     return rec
+
+
+def export_last(args, trainer: str, folder: Path, out: Path) -> Path:
+    """--export: the run's last snapshot (its final draft) as an eyas draft folder at `out`, a peer's read with
+    `eyas import`, for `eyas evaluate --baselines`."""
+    from eyas.core.errors import EyasError
+    from eyas.draft.importer import ImportConfig, run_import
+
+    snaps = sorted(p for p in folder.glob("*") if p.is_dir() and not p.name.endswith("-eyas"))
+    if not snaps:
+        raise EyasError(f"bench: {trainer} saved no draft in {folder}", fix="read its log.txt beside that folder")
+    last = snaps[-1]
+    if out.exists():
+        if not (out / "bench-source.json").is_file():
+            raise EyasError(f"bench: --export would replace {out}, which this bench did not write",
+                            fix="pass another --export folder, or move that one away")
+        shutil.rmtree(out)  # this bench's own earlier export of the same run name
+    if trainer == "eyas":
+        shutil.copytree(last, out)
+    else:
+        run_import(ImportConfig(source=str(last), out=str(out), target=args.target, layers=tuple(args.layers),
+                                overwrite=True, quiet=True))
+    (out / "bench-source.json").write_text(json.dumps({"trainer": trainer, "snapshot": last.name,
+                                                       "command": " ".join(sys.argv)}, indent=1))
+    return out
 
 
 def score_snapshots(args, d: dict, trainer: str, folder: Path) -> list[dict]:
@@ -634,10 +734,34 @@ def parse_args(argv: list[str]):
                     help="held-out GSM8K conversations after the training ones (0: none, or 50 with --accuracy)")
     ap.add_argument("--target-acc", type=float, default=0.0,
                     help="the common acc_0 to reach (0: the highest every run reached)")
+    ap.add_argument("--store", default="",
+                    help="train on this eyas store (e.g. a recipe's runs/<name>/store) instead of GSM8K conversations")
+    ap.add_argument("--data-fraction", type=float, default=1.0,
+                    help="with --store: the seeded share `eyas train --data-fraction` takes (every trainer, same rows)")
+    ap.add_argument("--heldout-store", default="", help="with --store --accuracy: the held-out store scored")
+    ap.add_argument("--seed", type=int, default=0, help="every trainer's seed (and the share's)")
+    ap.add_argument("--export", default="",
+                    help="keep each run's final draft in eyas's format under EXPORT/<run> (peers through `eyas "
+                         "import`), for `eyas evaluate --baselines`")
     ap.add_argument("--out", default="/tmp/eyas-bench-peers")
     a = ap.parse_args(argv)
+    if a.store and a.accuracy and not a.heldout_store:
+        ap.error("--store with --accuracy needs --heldout-store (e.g. runs/smollm2-recipe/val-store)")
+    if a.heldout_store and not (a.store and a.accuracy):
+        ap.error("--heldout-store is scored only with --store and --accuracy")
+    if a.store and (a.heldout or a.samples != ap.get_default("samples")):
+        ap.error("--samples and --heldout choose GSM8K conversations: with --store, use --data-fraction and "
+                 "--heldout-store")
+    owned = {"--seed", "--data-fraction", "--val-fraction", "--val-store", "--store", "--epochs", "--threads"}
+    clash = sorted(owned & {x.split("=")[0] for x in a.eyas_args.split()})
+    if clash:  # they choose the samples or the epochs, which every trainer must share
+        ap.error(f"--eyas-args sets {' '.join(clash)}, which the bench sets for every trainer alike: use the bench's "
+                 "own options")
+    if not 0 < a.data_fraction <= 1 or (a.data_fraction < 1 and not a.store):
+        ap.error("--data-fraction is a share in (0, 1] of a --store")
+    a.snapshots = a.accuracy or bool(a.export)
     a.epochs = a.epochs or (4 if a.accuracy else 1)
-    a.heldout = a.heldout or (50 if a.accuracy else 0)
+    a.heldout = a.heldout or (50 if a.accuracy and not a.store else 0)
     return a
 
 
