@@ -170,7 +170,8 @@ def test_lossless_verdict_rescores_divergences_as_the_targets_top1():
             [0.0, 0.0, 0.0, 0.0]]
     base = {"id": "p", "turn": 1, "prompt": [0], "reference": [2, 3, 0], "margin": 1e-4}
     tie = {**base, "tokens": [1, 3, 0], "divergence": 0}  # took the other side of the tie: the target's top-1
-    wrong = {**base, "tokens": [2, 1, 0], "divergence": 1}  # token 1 where the target clearly says 3
+    wrong = {**base, "tokens": [2, 1, 0], "divergence": 1,  # token 1 where the target clearly says 3
+             "rounds": [{"depth": 3, "accepted": 1}, {"depth": 1, "accepted": 0}]}
     _rescore(_fake_target(rows), [tie, wrong])
     assert tie["rescore"] == {"ties": [{"index": 0, "token": 1, "top1": 2, "fp32_gap": pytest.approx(1e-4, rel=0.01)}],
                               "mismatch": None}
@@ -180,6 +181,8 @@ def test_lossless_verdict_rescores_divergences_as_the_targets_top1():
     assert ok["near_ties"][0]["target_margin"] == 1e-4
     bad = _lossless([tie, wrong], Tok())
     assert not bad["lossless"] and lossless_word(bad) == "NO" and bad["mismatch"]["top1_text"] == "<3>"
+    assert bad["mismatch"]["replay"] == {"prompt_ids": [0], "output_ids": [2, 1, 0], "reference_ids": [2, 3, 0],
+                                         "rounds": [[3, 1], [1, 0]]}  # the flagged turn, kept for a replay
     same = _lossless([{**base, "tokens": [2, 3, 0], "divergence": None}], Tok())
     assert same["identical"] and lossless_word(same) == "yes"
 

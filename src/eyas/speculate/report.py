@@ -72,7 +72,11 @@ def _lossless(recs: list[dict], tokenizer) -> dict:
         m = (wrong.get("rescore") or {}).get("mismatch") or {}
         mismatch = {"id": wrong["id"], "turn": wrong["turn"], **m,
                     "token_text": tokenizer.decode([m["token"]]) if "token" in m else None,
-                    "top1_text": tokenizer.decode([m["top1"]]) if "top1" in m else None}
+                    "top1_text": tokenizer.decode([m["top1"]]) if "top1" in m else None,
+                    # what a replay needs: the turn's ids and each round's draft length and accepted tokens
+                    "replay": {"prompt_ids": wrong["prompt"], "output_ids": wrong["tokens"],
+                               "reference_ids": wrong["reference"],
+                               "rounds": [[r["depth"], r["accepted"]] for r in wrong.get("rounds", [])]}}
     r = bad[0]
     i, ref = r["divergence"], r["reference"]
     got = r["tokens"]
