@@ -500,27 +500,39 @@ def run_one(args, d, trainer: str, nproc: int, threads: int, run_dir: Path) -> d
     return rec
 
 
+def _snapshots(folder: Path) -> list[Path]:
+    """A run's snapshots as its trainer saved them, oldest first (not the -eyas copies made of them)."""
+    return sorted(p for p in folder.glob("*") if p.is_dir() and not p.name.endswith("-eyas"))
+
+
+def _as_eyas(args, trainer: str, snap: Path) -> Path:
+    """The snapshot as an eyas draft folder: eyas's own, or a peer's read once with `eyas import` into <snap>-eyas."""
+    if trainer == "eyas":
+        return snap
+    from eyas.draft.importer import ImportConfig, run_import
+
+    imported = snap.with_name(snap.name + "-eyas")
+    if not imported.is_dir():  # run_one starts every run in an empty folder: an existing one is this run's
+        run_import(ImportConfig(source=str(snap), out=str(imported), target=args.target, layers=tuple(args.layers),
+                                overwrite=True, quiet=True))
+    return imported
+
+
 def export_last(args, trainer: str, folder: Path, out: Path) -> Path:
     """--export: the run's last snapshot (its final draft) as an eyas draft folder at `out`, a peer's read with
     `eyas import`, for `eyas evaluate --baselines`."""
     from eyas.core.errors import EyasError
-    from eyas.draft.importer import ImportConfig, run_import
 
-    snaps = sorted(p for p in folder.glob("*") if p.is_dir() and not p.name.endswith("-eyas"))
+    snaps = _snapshots(folder)
     if not snaps:
         raise EyasError(f"bench: {trainer} saved no draft in {folder}", fix="read its log.txt beside that folder")
-    last = snaps[-1]
     if out.exists():
         if not (out / "bench-source.json").is_file():
             raise EyasError(f"bench: --export would replace {out}, which this bench did not write",
                             fix="pass another --export folder, or move that one away")
         shutil.rmtree(out)  # this bench's own earlier export of the same run name
-    if trainer == "eyas":
-        shutil.copytree(last, out)
-    else:
-        run_import(ImportConfig(source=str(last), out=str(out), target=args.target, layers=tuple(args.layers),
-                                overwrite=True, quiet=True))
-    (out / "bench-source.json").write_text(json.dumps({"trainer": trainer, "snapshot": last.name,
+    shutil.copytree(_as_eyas(args, trainer, snaps[-1]), out)
+    (out / "bench-source.json").write_text(json.dumps({"trainer": trainer, "snapshot": snaps[-1].name,
                                                        "command": " ".join(sys.argv)}, indent=1))
     return out
 
@@ -529,21 +541,16 @@ def score_snapshots(args, d: dict, trainer: str, folder: Path) -> list[dict]:
     """Every snapshot of a run scored on the held-out store by one evaluator, eyas's validation pass
     (eyas.train.heldout): a peer's snapshot is first read with `eyas import`. -> [{tag, train_s, acc_i, ...}]"""
     from eyas.draft.checkpoint import read_draft
-    from eyas.draft.importer import ImportConfig, run_import
     from eyas.train.heldout import held_out_accuracy
 
     curve, tags = [], set()
-    for snap in sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.endswith("-eyas")):
+    for snap in _snapshots(folder):
         clock = json.loads((snap / "bench-clock.json").read_text())
         if clock["tag"] in tags:  # the same step saved twice
             continue
         tags.add(clock["tag"])
-        if trainer != "eyas":
-            imported = snap.with_name(snap.name + "-eyas")
-            run_import(ImportConfig(source=str(snap), out=str(imported), target=args.target,
-                                    layers=tuple(args.layers), overwrite=True, quiet=True))
-            snap = imported
-        got = held_out_accuracy(read_draft(snap), str(d["heldout"]), args.target, args.ttt_steps)
+        got = held_out_accuracy(read_draft(_as_eyas(args, trainer, snap)), str(d["heldout"]), args.target,
+                                args.ttt_steps)
         curve.append({"tag": clock["tag"], "train_s": clock["train_s"], **got})
     return curve
 
