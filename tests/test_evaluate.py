@@ -156,7 +156,7 @@ def _fake_target(rows):
 def test_lossless_verdict_rescores_divergences_as_the_targets_top1():
     """An output that differs from plain greedy is still lossless when every token is the target's fp32 top-1 (a
     tie within FP32_TIE counts); a token that is not the top-1 is a loud NO, whatever plain greedy said."""
-    from eyas.speculate.evaluate import _rescore
+    from eyas.speculate.lossless import rescore as _rescore
     from eyas.speculate.report import _lossless, lossless_word
 
     class Tok:
@@ -190,7 +190,7 @@ def test_lossless_verdict_rescores_divergences_as_the_targets_top1():
 def test_tie_tolerance_is_the_rounding_of_the_runs_dtype():
     import torch
 
-    from eyas.speculate.evaluate import FP32_TIE, tie_tolerance
+    from eyas.speculate.lossless import FP32_TIE, tie_tolerance
 
     assert tie_tolerance(torch.bfloat16, 15.0) == 4 * 2.0 ** -4  # bf16 at 8 <= |x| < 16: ulp 2**-4
     assert tie_tolerance(torch.bfloat16, -40.0) == 4 * 2.0 ** -2

@@ -11,10 +11,8 @@ Definitions of the figures: `eyas.speculate.decode` (tau, rates) and `eyas.specu
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
-import math
 import time
 from collections import Counter
 from pathlib import Path
@@ -32,7 +30,7 @@ from eyas.data.chat import ChatRenderer
 from eyas.draft.checkpoint import read_draft
 from eyas.draft.model import DraftConfig, Eagle3Draft
 from eyas.draft.vocab import build_draft_vocab
-from eyas.speculate import report
+from eyas.speculate import lossless, report
 from eyas.speculate.decode import (
     first_divergence,
     plain_generate,
@@ -302,9 +300,9 @@ def run(cfg: EvalConfig) -> dict:
     stop = stop_ids(target, renderer)
     _warm_up(runner, renderer, methods, items[0], stop, cfg)
     records = _decode_all(con, cfg, runner, target, renderer, methods, items, stop, cpu)
-    _margins(runner, methods, records)
+    lossless.margins(runner, methods, records)
     if cfg.temperature == 0:
-        _rescore(target, records)
+        lossless.rescore(target, records, runner)
     latency2 = measure_latency(runner, qs, prefix=cfg.latency_prefix, seed=1)
     latency = {q: (latency[q] + latency2[q]) / 2 for q in qs}
     results = report.aggregate(cfg, target, draft, runner, items, methods, records, latency)
@@ -320,70 +318,6 @@ def draft_precision(dtype: torch.dtype, quant: str) -> str:
     """The draft the figures were measured with, in words (every report shows it)."""
     name = str(dtype).removeprefix("torch.")
     return f"{name} as trained" if quant == "none" else f"{name}, linears int8 weight-only (not the exported draft)"
-
-
-FP32_TIE = 1e-3  # relative: fp32 logits closer than this are a tie, either token the target's greedy choice
-ULPS = 4  # a bf16 (fp16) run's tolerance: logits within this many units in the last place of its dtype
-MANTISSA = {torch.bfloat16: 7, torch.float16: 10}  # explicit mantissa bits
-
-
-def tie_tolerance(dtype: torch.dtype, top: float) -> float:
-    """How far below the fp32 top-1 logit a token may be and still be the greedy choice of a run in `dtype`:
-    ULPS units in the last place of `top` in that dtype (in bf16 at a logit of 15, 4 x 2**-4 = 0.25), or
-    FP32_TIE relative in fp32."""
-    scale = max(1.0, abs(top))
-    if dtype not in MANTISSA:
-        return FP32_TIE * scale
-    return ULPS * 2.0 ** (math.floor(math.log2(scale)) - MANTISSA[dtype])
-
-
-@torch.inference_mode()
-def _margins(runner, methods, records) -> None:
-    """At each method's first divergence from plain greedy, the target's top-2 logit gap after the common prefix
-    (recomputed in one forward): a gap near 0 is a numerical tie, where any change of kernel may flip the argmax."""
-    for m in methods:
-        bad = next((r for r in records if r["method"] == m.name and r.get("divergence") is not None), None)
-        if bad is None or bad["divergence"] >= len(bad["reference"]):
-            continue
-        runner.reset()
-        ids = bad["prompt"] + bad["reference"][: bad["divergence"]]
-        logits, _ = runner.prefill(torch.tensor(ids, device=runner.device))
-        top = logits[-1].float().topk(2).values
-        bad["margin"] = float(top[0] - top[1])
-
-
-@torch.inference_mode()
-def _rescore(target, records) -> None:
-    """Every output that differs from plain greedy decoding, re-scored by the target in float32 in one forward
-    pass over prompt + output: each emitted token must be the target's top-1 at its position, up to the rounding
-    of the dtype the run decodes in (tie_tolerance). Decoding several tokens at once and one at a time round
-    differently in bf16, so at a near-tie the two may pick different tokens, each the target's greedy choice up to
-    rounding; a token further below the fp32 top-1 than that is a real mismatch.
-    Sets record["rescore"] = {"ties": [...], "mismatch": ...}."""
-    bad = [r for r in records if r.get("divergence") is not None]
-    if not bad:
-        return
-    model = target.model if target.dtype == torch.float32 else copy.deepcopy(target.model).float()
-    device = next(model.parameters()).device
-    for r in bad:
-        seq = r["prompt"] + r["tokens"]
-        logits = model(torch.tensor([seq], device=device)).logits[0].float()  # [L, V]
-        n = len(r["prompt"])
-        ties, mismatch = [], None
-        for j in range(r["divergence"], len(r["tokens"])):
-            row, tok = logits[n + j - 1], r["tokens"][j]
-            top = int(row.argmax())
-            gap = float(row[top] - row[tok])
-            if tok == top:
-                continue
-            if gap <= tie_tolerance(target.dtype, float(row[top])):
-                ties.append({"index": j, "token": tok, "top1": top, "fp32_gap": gap})
-            else:
-                mismatch = {"index": j, "token": tok, "top1": top, "fp32_gap": gap}
-                break
-        r["rescore"] = {"ties": ties, "mismatch": mismatch}
-    if model is not target.model:
-        del model
 
 
 def _warm_up(runner, renderer, methods, item, stop, cfg) -> None:

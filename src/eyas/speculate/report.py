@@ -58,14 +58,15 @@ def method_figures(recs: list[dict], base_tps: float | None, latency: dict) -> d
 def _lossless(recs: list[dict], tokenizer) -> dict:
     """The verdict: `lossless` is true when every emitted token is the target's top-1 at its position (outputs
     equal to plain greedy decoding, or differing from it only at near-ties, each re-scored in fp32: see
-    eyas.speculate.evaluate._rescore); `identical` says whether they equal plain greedy token for token, and
+    eyas.speculate.lossless); `identical` says whether they equal plain greedy token for token, and
     `near_ties` lists where they do not, with the margins."""
     bad = [r for r in recs if r.get("divergence") is not None]
     if not bad:
         return {"checked": True, "lossless": True, "identical": True, "turns": len(recs), "near_ties": [],
                 "mismatch": None, "first_divergence": None}
     ties = [{"id": r["id"], "turn": r["turn"], "index": r["divergence"], "target_margin": r.get("margin"),
-             "fp32_ties": len((r.get("rescore") or {}).get("ties", []))} for r in bad]
+             "fp32_ties": len((r.get("rescore") or {}).get("ties", [])),
+             "replayed": [t for t in (r.get("rescore") or {}).get("ties", []) if t.get("replayed")]} for r in bad]
     wrong = next((r for r in bad if (r.get("rescore") or {}).get("mismatch") or "rescore" not in r), None)
     mismatch = None
     if wrong is not None:
@@ -73,6 +74,7 @@ def _lossless(recs: list[dict], tokenizer) -> dict:
         mismatch = {"id": wrong["id"], "turn": wrong["turn"], **m,
                     "token_text": tokenizer.decode([m["token"]]) if "token" in m else None,
                     "top1_text": tokenizer.decode([m["top1"]]) if "top1" in m else None,
+                    "replay_check": wrong.get("replay"),  # eyas.speculate.lossless.confirm_by_replay
                     # what a replay needs: the turn's ids and each round's draft length and accepted tokens
                     "replay": {"prompt_ids": wrong["prompt"], "output_ids": wrong["tokens"],
                                "reference_ids": wrong["reference"],
@@ -184,14 +186,30 @@ def summary_lines(res: dict) -> list[str]:
             d = ll["mismatch"]
             lines.append(f"   NOT the target's top-1: prompt {d['id']} turn {d['turn']} token {d.get('index')}: "
                          f"{d.get('token_text')!r} where the target's fp32 top-1 is {d.get('top1_text')!r} "
-                         f"(gap {_fmt(d.get('fp32_gap'), '.3f')})")
+                         f"(gap {_fmt(d.get('fp32_gap'), '.3f')})" + _replay_words(d.get("replay_check")))
         elif ll.get("first_divergence"):
             d = ll["first_divergence"]
             lines.append(f"   {len(ll['near_ties'])} turn(s) differ from plain greedy at near-ties, every token "
                          f"re-scored as the target's fp32 top-1; first: prompt {d['id']} turn {d['turn']} token "
                          f"{d['index']}: {d['expected_text']!r} or {d['got_text']!r} (target top-2 margin "
                          f"{_fmt(d['target_margin'], '.3f')})")
+            if replayed := [t for tie in ll["near_ties"] for t in tie.get("replayed", [])]:
+                lines.append(f"   {len(replayed)} of those token(s) lie further below the fp32 top-1 than rounding "
+                             f"(largest gap {max(t['fp32_gap'] for t in replayed):.3f}); replayed, each is the "
+                             "argmax of the target's own logits in the run's verify shapes, and the fp32 replay "
+                             "equals the cache-free forward (eyas.speculate.lossless)")
     return lines
+
+
+def _replay_words(check: dict | None) -> str:
+    """Why the replay (eyas.speculate.lossless.confirm_by_replay) did not settle a mismatch, in words."""
+    if not check:
+        return ""
+    if "why" in check:
+        return f"; not replayed: {check['why']}"
+    return (f"; replayed: fp32 cache error {check['fp32_cache_error']:.1e} (at most 1e-03 allowed), the run's "
+            f"own tokens " + ("reproduced" if check["reproduced"] else
+                               f"not reproduced from token {check['first_not_reproduced']}"))
 
 
 def _plots(res: dict, out: Path) -> list[str]:

@@ -1,0 +1,140 @@
+"""Is the speculative output the target's own greedy output? The checks behind `eyas evaluate`'s lossless column.
+
+At temperature 0 a speculative decoder must emit, at every position, the target's top-1 token. In fp32 that is a
+token-for-token comparison with plain greedy decoding. In bf16 it is not: verifying k+1 tokens in one forward and
+decoding one at a time run different kernels, which round differently, so at a near-tie the two may pick different
+tokens, each the target's greedy choice up to rounding. So an output that differs from plain greedy is checked
+in three steps, each settling what the one before could not:
+
+1. margins: the target's top-2 gap where the method first left plain greedy (a gap near 0 is a numerical tie);
+2. rescore: the whole output re-scored by the target in fp32, in one forward pass without a cache: every emitted
+   token must be the fp32 top-1 up to the rounding of the run's dtype (tie_tolerance);
+3. replay, for a token further below the fp32 top-1 than that: the turn's own forwards are run again, the prompt
+   then round by round the same tokens in the same shapes, the same cache entries kept:
+   - in fp32, its logits must equal the cache-free fp32 forward's (so the cache, positions and rollback the run
+     used are right: a fault there shows as a gap of whole units, not of rounding);
+   - in the run's dtype, every emitted token must be the argmax of the replayed logits (so the decoder emitted
+     exactly what the target computed in that verify shape).
+   Both hold: the token is the bf16 target's own choice, and its distance from the fp32 top-1 is rounding (kept
+   as a tie, marked `replayed`). Either fails: a real mismatch, the loud NO.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+
+import torch
+
+from eyas.speculate.runner import make_runner
+
+FP32_TIE = 1e-3  # relative: fp32 logits closer than this are a tie, either token the target's greedy choice
+ULPS = 4  # a bf16 (fp16) run's tolerance: logits within this many units in the last place of its dtype
+MANTISSA = {torch.bfloat16: 7, torch.float16: 10}  # explicit mantissa bits
+FILLER = 0  # the token replayed in place of a rejected draft token (causal attention keeps it from the kept rows)
+
+
+def tie_tolerance(dtype: torch.dtype, top: float) -> float:
+    """How far below the fp32 top-1 logit a token may be and still be the greedy choice of a run in `dtype`:
+    ULPS units in the last place of `top` in that dtype (in bf16 at a logit of 15, 4 x 2**-4 = 0.25), or
+    FP32_TIE relative in fp32."""
+    scale = max(1.0, abs(top))
+    if dtype not in MANTISSA:
+        return FP32_TIE * scale
+    return ULPS * 2.0 ** (math.floor(math.log2(scale)) - MANTISSA[dtype])
+
+
+@torch.inference_mode()
+def margins(runner, methods, records) -> None:
+    """At each method's first divergence from plain greedy, the target's top-2 logit gap after the common prefix
+    (recomputed in one forward): a gap near 0 is a numerical tie, where any change of kernel may flip the argmax."""
+    for m in methods:
+        bad = next((r for r in records if r["method"] == m.name and r.get("divergence") is not None), None)
+        if bad is None or bad["divergence"] >= len(bad["reference"]):
+            continue
+        runner.reset()
+        ids = bad["prompt"] + bad["reference"][: bad["divergence"]]
+        logits, _ = runner.prefill(torch.tensor(ids, device=runner.device))
+        top = logits[-1].float().topk(2).values
+        bad["margin"] = float(top[0] - top[1])
+
+
+@torch.inference_mode()
+def rescore(target, records, runner=None) -> None:
+    """Steps 2 and 3 of the module docstring for every output that differs from plain greedy decoding. `runner`
+    is the run's own (its dtype and kernels); without one, nothing is replayed.
+    Sets record["rescore"] = {"ties": [...], "mismatch": ...}; a tie settled by the replay has "replayed": True."""
+    bad = [r for r in records if r.get("divergence") is not None]
+    if not bad:
+        return
+    model = target.model if target.dtype == torch.float32 else copy.deepcopy(target.model).float()
+    device = next(model.parameters()).device
+    runner32 = None
+    for r in bad:
+        n = len(r["prompt"])
+        logits = model(torch.tensor([r["prompt"] + r["tokens"]], device=device)).logits[0].float()  # [L, V]
+        chose = logits[n - 1: n - 1 + len(r["tokens"])]  # [T, V]: row j chose tokens[j]
+        ties, beyond = [], []
+        for j in range(r["divergence"], len(r["tokens"])):
+            row, tok = chose[j], r["tokens"][j]
+            top = int(row.argmax())
+            if tok == top:
+                continue
+            entry = {"index": j, "token": tok, "top1": top, "fp32_gap": float(row[top] - row[tok])}
+            (ties if entry["fp32_gap"] <= tie_tolerance(target.dtype, float(row[top])) else beyond).append(entry)
+        if beyond and runner is not None and target.dtype != torch.float32:
+            if runner32 is None:
+                runner32 = make_runner(dataclasses.replace(target, model=model), runner.feature_layers,
+                                       "lean" if type(runner).__name__ == "LeanRunner" else "hf")
+            check = confirm_by_replay(runner32, runner, r, chose)
+            r["replay"] = check
+            if check["confirmed"]:
+                ties = sorted(ties + [{**e, "replayed": True} for e in beyond], key=lambda e: e["index"])
+                beyond = []
+        r["rescore"] = {"ties": ties, "mismatch": beyond[0] if beyond else None}
+    if model is not target.model:
+        del model
+
+
+def confirm_by_replay(runner32, runner, record: dict, fp32_rows: torch.Tensor) -> dict:
+    """Step 3 of the module docstring for one turn. fp32_rows [T, V]: the cache-free fp32 logits that chose each
+    emitted token. -> {"confirmed", "fp32_cache_error" (max |replayed - cache-free| over the rows, relative to
+    the row's largest logit), "reproduced" (every token the argmax of the run dtype's replayed logits),
+    "first_not_reproduced"}. Never confirmed when a round verified a tree (its shape is not in the round's figures)."""
+    rows32 = replay(runner32, record["prompt"], record["tokens"], record["rounds"])
+    rows = replay(runner, record["prompt"], record["tokens"], record["rounds"])
+    if rows32 is None or rows is None:
+        return {"confirmed": False, "why": "a round verified a tree, which its figures cannot replay"}
+    scale = fp32_rows.abs().amax(-1).clamp_min(1.0)  # [T]
+    error = float(((rows32 - fp32_rows).abs().amax(-1) / scale).max())
+    got = rows.argmax(-1).tolist()
+    off = next((j for j, (a, b) in enumerate(zip(got, record["tokens"])) if a != b), None)
+    return {"confirmed": error <= FP32_TIE and off is None, "fp32_cache_error": error, "reproduced": off is None,
+            "first_not_reproduced": off}
+
+
+@torch.inference_mode()
+def replay(runner, prompt: list[int], tokens: list[int], rounds: list[dict]) -> torch.Tensor | None:
+    """The logits that chose each emitted token, recomputed with the run's own forwards: the prompt, then each
+    round's last token and `size` proposed ones (the accepted drafts, FILLER for the rejected), its accepted rows
+    and bonus committed, as eyas.speculate.decode._round does. -> [len(tokens), V] float32, row j the logits that
+    chose tokens[j]; None when a round verified a tree (size != depth)."""
+    dev = runner.device
+    runner.reset()
+    logits, _ = runner.prefill(torch.tensor(prompt, device=dev))
+    rows = [logits[-1:].float()]
+    pos = 1  # tokens[:pos] are emitted; tokens[pos - 1] is the next round's root
+    for rd in rounds:
+        if rd["size"] != rd["depth"]:
+            return None
+        if pos >= len(tokens):  # the output was cut at a stop token or --max-new-tokens
+            break
+        a = rd["accepted"]
+        kept = tokens[pos: pos + a]
+        ids = [tokens[pos - 1]] + kept + [FILLER] * (rd["size"] - len(kept))
+        logits, _ = runner.forward(torch.tensor(ids, device=dev))
+        rows.append(logits[: a + 1].float())
+        runner.commit(list(range(a + 1)))
+        pos += a + 1
+    return torch.cat(rows)[: len(tokens)]

@@ -1,0 +1,116 @@
+"""The lossless check of `eyas evaluate` (eyas.speculate.lossless) on real bf16 runs of the tiny target: a replay
+reproduces a run's own tokens, and catches a token the target did not choose and a cache that keeps the wrong rows."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from eyas.core.target import load_target
+from eyas.speculate import lossless
+from eyas.speculate.decode import first_divergence, plain_generate, speculative_generate
+from eyas.speculate.drafters import Eagle3Drafter
+from eyas.speculate.report import _lossless, lossless_word, summary_lines
+from eyas.speculate.runner import LeanRunner
+from tests.speculate_helpers import random_prompts, trained_draft
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NEW = 40
+
+
+class Tok:
+    def decode(self, ids):
+        return f"<{ids[0]}>"
+
+
+@pytest.fixture(scope="module")
+def run():
+    """A bf16 run of the tiny target: its runner, and one chain-decoded turn per prompt as evaluate records it."""
+    target = load_target("tiny", dtype="bfloat16")
+    runner = LeanRunner(target, target.default_feature_layers())
+    drafter = Eagle3Drafter(copy.deepcopy(trained_draft(load_target("tiny"))).to(torch.bfloat16), k=5)
+    records = []
+    for i, prompt in enumerate(random_prompts(16)[:4]):
+        ref = plain_generate(runner, prompt, NEW).tokens
+        g = speculative_generate(runner, drafter, prompt, NEW)
+        records.append({"id": str(i), "turn": 1, "method": "chain", "prompt": prompt, "tokens": g.tokens,
+                        "reference": ref, "divergence": first_divergence(ref, g.tokens),
+                        "rounds": [dataclasses.asdict(r) for r in g.rounds]})
+    return target, runner, records
+
+
+def _fp32(target):
+    """The fp32 twin of a target, its runner, and the cache-free fp32 logits that chose each token of a record."""
+    t32 = dataclasses.replace(target, model=copy.deepcopy(target.model).float())
+    runner32 = LeanRunner(t32, target.default_feature_layers())
+
+    def rows(rec):
+        n = len(rec["prompt"])
+        logits = t32.model(torch.tensor([rec["prompt"] + rec["tokens"]])).logits[0].float()
+        return logits[n - 1: n - 1 + len(rec["tokens"])]
+    return runner32, rows
+
+
+def test_a_replay_reproduces_the_runs_own_tokens_with_a_cache_equal_to_the_cache_free_forward(run):
+    target, runner, records = run
+    runner32, rows = _fp32(target)
+    for rec in records:
+        assert any(r["accepted"] > 0 for r in rec["rounds"])  # the draft is accepted: rounds of several tokens
+        check = lossless.confirm_by_replay(runner32, runner, rec, rows(rec))
+        assert check["reproduced"] and check["confirmed"], check
+        assert check["fp32_cache_error"] < 1e-5  # fp32 incremental against one forward: rounding only
+
+
+def test_a_replay_catches_a_token_the_target_did_not_choose(run):
+    target, runner, records = run
+    runner32, rows = _fp32(target)
+    rec = dict(records[0])
+    fp32 = rows(rec)
+    rec["tokens"] = list(rec["tokens"])
+    rec["tokens"][12] = int(fp32[12].argmin())  # the target's least likely token, inside an accepted stretch
+    check = lossless.confirm_by_replay(runner32, runner, rec, rows(rec))
+    assert not check["confirmed"] and check["first_not_reproduced"] == 12
+
+
+def test_a_replay_catches_a_cache_that_keeps_the_wrong_rows(run, monkeypatch):
+    """A decoder whose commit kept the rejected rows (the classic rollback fault) would emit tokens read from the
+    wrong cache; replayed with that fault, the fp32 logits leave the cache-free forward's by whole units."""
+    target, runner, records = run
+    runner32, rows = _fp32(target)
+    rec = next(r for r in records if any(x["accepted"] < x["size"] for x in r["rounds"]))  # a round rejected some
+    commit = LeanRunner.commit
+    monkeypatch.setattr(LeanRunner, "commit", lambda self, rows=None: commit(self, None))  # keeps every row
+    check = lossless.confirm_by_replay(runner32, runner, rec, rows(rec))
+    assert not check["confirmed"] and check["fp32_cache_error"] > 0.01, check
+
+
+def test_rescore_settles_a_gap_beyond_rounding_by_replay_and_keeps_a_real_mismatch(run, monkeypatch):
+    """With no rounding allowed (ULPS 0), every token off the fp32 top-1 goes to the replay: the run's own tokens
+    are confirmed as the bf16 target's choices (yes*), a token it did not choose stays a NO that says why."""
+    target, runner, records = run
+    monkeypatch.setattr(lossless, "ULPS", 0)
+    _, rows = _fp32(target)
+    off = [r for r in records if any(int(rows(r)[j].argmax()) != t for j, t in enumerate(r["tokens"]))]
+    assert off, "no bf16 token off the fp32 top-1 in these turns: the positive case is not exercised"
+    own = [{**r, "divergence": 0} for r in off]  # checked from the first token on
+    lossless.rescore(target, own, runner)
+    assert all(r["rescore"]["mismatch"] is None for r in own)
+    replayed = [t for r in own for t in r["rescore"]["ties"] if t.get("replayed")]
+    assert replayed and all(t["fp32_gap"] > 0 for t in replayed)
+    ok = _lossless(own, Tok())
+    assert ok["lossless"] and lossless_word(ok) == "yes*"
+
+    bad = {**records[0], "divergence": 0, "tokens": list(records[0]["tokens"])}
+    bad["tokens"][12] = int(rows(bad)[12].argmin())
+    lossless.rescore(target, [bad], runner)
+    assert bad["rescore"]["mismatch"]["index"] == 12 and not bad["replay"]["reproduced"]
+    verdict = _lossless([bad], Tok())
+    assert lossless_word(verdict) == "NO" and verdict["mismatch"]["replay_check"]["first_not_reproduced"] == 12
+    res = {"draft": {}, "latency_ms": {}, "baseline": {"eyas_greedy": {"tokens_per_s": 1.0}, "chosen": "plain",
+                                                       "tokens_per_s": 1.0},
+           "configs": [{"name": "chain", "tau": 1.0, "tokens_per_s": 1.0, "speedup": 1.0, "predicted_speedup": 1.0,
+                        "efficiency": 1.0, "overhead_share": 0.0, "accept_rate_by_position": [],
+                        "lossless": verdict}]}
+    assert "not reproduced from token 12" in "\n".join(summary_lines(res))
