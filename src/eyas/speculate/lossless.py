@@ -64,7 +64,8 @@ def margins(runner, methods, records) -> None:
 def rescore(target, records, runner=None) -> None:
     """Steps 2 and 3 of the module docstring for every output that differs from plain greedy decoding. `runner`
     is the run's own (its dtype and kernels); without one, nothing is replayed.
-    Sets record["rescore"] = {"ties": [...], "mismatch": ...}; a tie settled by the replay has "replayed": True."""
+    Sets record["rescore"] = {"ties": [...], "mismatch": ...}; a tie settled by the replay has "replayed": True.
+    Memory: the fp32 copy of the target (and, for the replay, the runner's own copies of its weights in fp32)."""
     bad = [r for r in records if r.get("divergence") is not None]
     if not bad:
         return
@@ -106,6 +107,8 @@ def confirm_by_replay(runner32, runner, record: dict, fp32_rows: torch.Tensor) -
     rows = replay(runner, record["prompt"], record["tokens"], record["rounds"])
     if rows32 is None or rows is None:
         return {"confirmed": False, "why": "a round verified a tree, which its figures cannot replay"}
+    if rows.shape[0] != len(record["tokens"]):
+        return {"confirmed": False, "why": f"the rounds cover {rows.shape[0]} of the {len(record['tokens'])} tokens"}
     scale = fp32_rows.abs().amax(-1).clamp_min(1.0)  # [T]
     error = float(((rows32 - fp32_rows).abs().amax(-1) / scale).max())
     got = rows.argmax(-1).tolist()
