@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from eyas.speculate.runner import make_runner
+from eyas.speculate.runner import LeanRunner, make_runner
 
 FP32_TIE = 1e-3  # relative: fp32 logits closer than this are a tie, either token the target's greedy choice
 ULPS = 4  # a bf16 (fp16) run's tolerance: logits within this many units in the last place of its dtype
@@ -87,13 +87,15 @@ def rescore(target, records, runner=None) -> None:
         if beyond and runner is not None and target.dtype != torch.float32:
             if runner32 is None:
                 runner32 = make_runner(dataclasses.replace(target, model=model), runner.feature_layers,
-                                       "lean" if type(runner).__name__ == "LeanRunner" else "hf")
+                                       "lean" if isinstance(runner, LeanRunner) else "hf")  # the run's kind
             check = confirm_by_replay(runner32, runner, r, chose)
             r["replay"] = check
             if check["confirmed"]:
                 ties = sorted(ties + [{**e, "replayed": True} for e in beyond], key=lambda e: e["index"])
                 beyond = []
         r["rescore"] = {"ties": ties, "mismatch": beyond[0] if beyond else None}
+    if close := getattr(runner32, "close", None):  # the HF runner's forward hooks on the fp32 copy
+        close()
     if model is not target.model:
         del model
 
