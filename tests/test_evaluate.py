@@ -137,7 +137,7 @@ def test_evaluate_measures_the_draft_as_trained_and_says_so(tiny_target, tmp_pat
 
 
 def _fake_target(rows):
-    """A target whose fp32 logits at each position are `rows` (only what _rescore reads of a target)."""
+    """A target whose fp32 logits at each position are `rows` (only what rescore reads of a target)."""
     import types
 
     import torch
@@ -147,8 +147,9 @@ def _fake_target(rows):
             super().__init__()
             self.w = torch.nn.Parameter(torch.zeros(1))
 
-        def forward(self, ids):
-            return types.SimpleNamespace(logits=torch.tensor(rows, dtype=torch.float32)[None, : ids.shape[1]])
+        def forward(self, ids, logits_to_keep=0):  # as transformers' models: the last N positions' logits (0: all)
+            logits = torch.tensor(rows, dtype=torch.float32)[None, : ids.shape[1]]
+            return types.SimpleNamespace(logits=logits[:, -logits_to_keep:])
 
     return types.SimpleNamespace(model=Model(), dtype=torch.float32)
 
@@ -156,7 +157,7 @@ def _fake_target(rows):
 def test_lossless_verdict_rescores_divergences_as_the_targets_top1():
     """An output that differs from plain greedy is still lossless when every token is the target's fp32 top-1 (a
     tie within FP32_TIE counts); a token that is not the top-1 is a loud NO, whatever plain greedy said."""
-    from eyas.speculate.lossless import rescore as _rescore
+    from eyas.speculate.lossless import rescore
     from eyas.speculate.report import _lossless, lossless_word
 
     class Tok:
@@ -171,8 +172,8 @@ def test_lossless_verdict_rescores_divergences_as_the_targets_top1():
     base = {"id": "p", "turn": 1, "prompt": [0], "reference": [2, 3, 0], "margin": 1e-4}
     tie = {**base, "tokens": [1, 3, 0], "divergence": 0}  # took the other side of the tie: the target's top-1
     wrong = {**base, "tokens": [2, 1, 0], "divergence": 1,  # token 1 where the target clearly says 3
-             "rounds": [{"depth": 3, "accepted": 1}, {"depth": 1, "accepted": 0}]}
-    _rescore(_fake_target(rows), [tie, wrong])
+             "rounds": [{"size": 3, "depth": 3, "accepted": 1}, {"size": 1, "depth": 1, "accepted": 0}]}
+    rescore(_fake_target(rows), [tie, wrong])
     assert tie["rescore"] == {"ties": [{"index": 0, "token": 1, "top1": 2, "fp32_gap": pytest.approx(1e-4, rel=0.01)}],
                               "mismatch": None}
     assert wrong["rescore"]["mismatch"] == {"index": 1, "token": 1, "top1": 3, "fp32_gap": pytest.approx(9.0)}
@@ -182,7 +183,7 @@ def test_lossless_verdict_rescores_divergences_as_the_targets_top1():
     bad = _lossless([tie, wrong], Tok())
     assert not bad["lossless"] and lossless_word(bad) == "NO" and bad["mismatch"]["top1_text"] == "<3>"
     assert bad["mismatch"]["replay"] == {"prompt_ids": [0], "output_ids": [2, 1, 0], "reference_ids": [2, 3, 0],
-                                         "rounds": [[3, 1], [1, 0]]}  # the flagged turn, kept for a replay
+                                         "rounds": [[3, 3, 1], [1, 1, 0]]}  # the flagged turn, kept for a replay
     same = _lossless([{**base, "tokens": [2, 3, 0], "divergence": None}], Tok())
     assert same["identical"] and lossless_word(same) == "yes"
 

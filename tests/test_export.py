@@ -370,7 +370,8 @@ def test_model_card_carries_the_runs_data_and_evaluation(tiny_target, tmp_path):
 
     assert main(["evaluate", "--target", "tiny", "--draft", str(final), "--bench", str(bench), "--out",
                  str(run_dir / "evaluate"), "--chain", "2", "--no-tree", "--max-new-tokens", "6", "--baselines",
-                 "--no-hf-generate", "--latency-prefix", "8", "--threads", "1", "--quiet"]) == 0
+                 "--no-hf-generate", "--latency-prefix", "8", "--threads", "1", "--dtype", "bfloat16",
+                 "--quiet"]) == 0
     results = json.loads((run_dir / "evaluate" / "results.json").read_text())
     tau = results["configs"][0]["tau"]
     export(final, "eagle3", tmp_path / "out")

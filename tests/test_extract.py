@@ -72,7 +72,7 @@ def prepared(tmp_path_factory):
 
 def cfg(prepared, store, **kw):
     return ExtractConfig(data=str(prepared), store=str(store), target="tiny", quiet=True,
-                         **{"shard_mb": 0.02, "batch_tokens": 160, **kw})
+                         **{"dtype": "bf16", "shard_mb": 0.02, "batch_tokens": 160, **kw})  # as bf16_tiny
 
 
 # ---------------------------------------------------------------- the plan
@@ -270,7 +270,7 @@ def test_bad_layers_are_refused_with_the_valid_range(bf16_tiny, prepared, tmp_pa
 
 def extract_argv(prepared, store) -> list[str]:
     return ["extract", "--data", str(prepared), "--store", str(store), "--target", "tiny", "--shard-mb", "0.02",
-            "--batch-tokens", "160", "--quiet"]
+            "--batch-tokens", "160", "--dtype", "bf16", "--quiet"]
 
 
 SLOW_COMMIT = """

@@ -86,6 +86,29 @@ def test_a_replay_catches_a_cache_that_keeps_the_wrong_rows(run, monkeypatch):
     assert not check["confirmed"] and check["fp32_cache_error"] > 0.01, check
 
 
+def test_a_replay_catches_a_fault_of_the_verify_path_that_only_the_runs_dtype_shows(run, monkeypatch):
+    """A decoder whose verify forwards (several tokens at once) are off in the run's dtype alone, the same way every
+    time (a mask value that overflows in bf16, say), emits tokens its replay reproduces, with a cache the fp32
+    replay finds right: only the distance of its logits from fp32, against plain one-token decoding's, shows it."""
+    target, runner, records = run
+    runner32, rows = _fp32(target)
+    torch.manual_seed(1)
+    skew = torch.randn(target.vocab_size).to(target.dtype)  # logits of the tiny target span a few units
+    forward = runner.forward
+
+    def faulty(ids, *args, **kw):
+        logits, feats = forward(ids, *args, **kw)
+        return (logits + skew if ids.numel() > 1 else logits), feats
+    monkeypatch.setattr(runner, "forward", faulty)
+    drafter = Eagle3Drafter(copy.deepcopy(trained_draft(load_target("tiny"))).to(torch.bfloat16), k=5)
+    prompt = records[0]["prompt"]
+    g = speculative_generate(runner, drafter, prompt, NEW)
+    rec = {"prompt": prompt, "tokens": g.tokens, "rounds": [dataclasses.asdict(r) for r in g.rounds]}
+    check = lossless.confirm_by_replay(runner32, runner, rec, rows(rec))
+    assert check["reproduced"] and check["fp32_cache_error"] < 1e-5  # what the replay checked before: both pass
+    assert not check["confirmed"] and check["dtype_error"] > lossless.DTYPE_SPREAD * check["plain_dtype_error"]
+
+
 def test_rescore_settles_a_gap_beyond_rounding_by_replay_and_keeps_a_real_mismatch(run, monkeypatch):
     """With no rounding allowed (ULPS 0), every token off the fp32 top-1 goes to the replay: the run's own tokens
     are confirmed as the bf16 target's choices (yes*), a token it did not choose stays a NO that says why."""
@@ -103,14 +126,18 @@ def test_rescore_settles_a_gap_beyond_rounding_by_replay_and_keeps_a_real_mismat
     assert ok["lossless"] and lossless_word(ok) == "yes*"
 
     bad = {**records[0], "divergence": 0, "tokens": list(records[0]["tokens"])}
-    bad["tokens"][12] = int(rows(bad)[12].argmin())
+    fp32 = rows(bad)
+    # inside an accepted stretch, and before any token of the run's own off the fp32 top-1 (with ULPS 0 the first
+    # of those would be the mismatch reported)
+    i = min([12] + [j for j, t in enumerate(bad["tokens"]) if int(fp32[j].argmax()) != t])
+    bad["tokens"][i] = int(fp32[i].argmin())
     lossless.rescore(target, [bad], runner)
-    assert bad["rescore"]["mismatch"]["index"] == 12 and not bad["replay"]["reproduced"]
+    assert bad["rescore"]["mismatch"]["index"] == i and not bad["replay"]["reproduced"]
     verdict = _lossless([bad], Tok())
-    assert lossless_word(verdict) == "NO" and verdict["mismatch"]["replay_check"]["first_not_reproduced"] == 12
+    assert lossless_word(verdict) == "NO" and verdict["mismatch"]["replay_check"]["first_not_reproduced"] == i
     res = {"draft": {}, "latency_ms": {}, "baseline": {"eyas_greedy": {"tokens_per_s": 1.0}, "chosen": "plain",
                                                        "tokens_per_s": 1.0},
            "configs": [{"name": "chain", "tau": 1.0, "tokens_per_s": 1.0, "speedup": 1.0, "predicted_speedup": 1.0,
                         "efficiency": 1.0, "overhead_share": 0.0, "accept_rate_by_position": [],
                         "lossless": verdict}]}
-    assert "not reproduced from token 12" in "\n".join(summary_lines(res))
+    assert f"not reproduced from token {i}" in "\n".join(summary_lines(res))

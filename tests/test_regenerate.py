@@ -432,3 +432,17 @@ def test_a_run_stopped_early_exits_3_with_what_is_left_and_how_to_resume(servers
     assert "left to do" in err and "rerun the same command" in err
     done = len(read_out(out))
     assert "of 12 conversations left to do" in err and f"{done} were written" in err
+
+
+def test_auto_dtype_is_recorded_as_the_dtype_it_chose(local_tiny, tmp_path, monkeypatch):
+    """--dtype auto writes the dtype it resolved to beside the answers: a resume in the other dtype (a machine whose
+    CPU has bf16 in hardware, say) is refused instead of mixing answers made two ways."""
+    monkeypatch.setattr("eyas.core.precision.native_bf16", lambda device: False)
+    data, out = make_data(tmp_path, 3), tmp_path / "out.jsonl"
+    cfg = dict(data=(str(data),), out=str(out), target="tiny", max_new_tokens=3, quiet=True)
+    run(RegenerateConfig(**cfg, max_samples=2, dtype="auto"))
+    assert json.loads((tmp_path / "out.jsonl.settings.json").read_text())["dtype"] == "float32"
+    assert run(RegenerateConfig(**cfg, max_samples=2, dtype="float32"))["skipped"] == 2  # the same answers
+    monkeypatch.setattr("eyas.core.precision.native_bf16", lambda device: True)
+    with pytest.raises(EyasError, match="dtype"):
+        run(RegenerateConfig(**cfg, dtype="auto"))

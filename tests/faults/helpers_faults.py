@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[2]
 TRAIN = {"target": "tiny", "threads": 1, "draft_vocab": 512, "ttt_steps": 3, "micro_batch": 1, "checkpoint_every": 2,
          "keep_checkpoints": 2, "dtype": "fp32", "lr": 1e-2}
 # Extract in many small units of work (~1 sample per forward batch and per shard), so faults land inside them
-EXTRACT = {"target": "tiny", "shard_mb": 0.02, "batch_tokens": 48}
+EXTRACT = {"target": "tiny", "dtype": "bf16", "shard_mb": 0.02, "batch_tokens": 48}  # as the references load it
 
 
 @contextlib.contextmanager

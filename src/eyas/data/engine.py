@@ -61,7 +61,7 @@ class EngineBackend(ServerBackend):
                      if env else "") + "; by hand: " + " ".join(argv))
         if threads:
             con.print(threads)
-        bar = con.progress(desc="vLLM start", unit="poll", bar_format="{desc}: {elapsed} {postfix}")
+        bar = con.progress(desc="vLLM start", unit="poll", bar_format="{desc}: {elapsed}{postfix}")
 
         def waiting(line: str) -> None:  # the engine log's last line beside the clock, one refresh per poll
             bar.set_postfix_str(line[:70], refresh=False)

@@ -32,6 +32,7 @@ from eyas.core.dist import pick_device
 from eyas.core.errors import EyasError, Incomplete
 from eyas.core.files import read_json, write_json
 from eyas.core.log import console, fmt_duration, fmt_int
+from eyas.core.precision import choose_dtype
 from eyas.core.target import DEFAULT_TARGET
 from eyas.data.engine import ENGINE_CONCURRENCY, EngineBackend
 from eyas.data.formats import (
@@ -69,8 +70,9 @@ class RegenerateConfig(StageConfig):
                           "free, re-checked as it runs; an explicit OMP_NUM_THREADS also wins)")
     workers: int = opt(0, "local backend: processes, each with a copy of the target (0: one per core on a CPU, "
                           "fewer for few conversations or little memory; 1 on a GPU)")
-    dtype: str = opt("float32", "local backend: float32, bfloat16 or float16",
-                     choices=("float32", "bfloat16", "float16"))
+    dtype: str = opt("float32", "float32, bfloat16, float16, or auto (bfloat16 where the device multiplies it in "
+                     "hardware, else float32); the local backend's and the engine's",
+                     choices=("float32", "bfloat16", "float16", "auto"))
     engine: str = opt("local", "local: the target loaded here answers (--generator); vllm: a vLLM server eyas starts "
                                "for the run and always stops (docs/regenerate.md)", choices=("local", "vllm"))
     engine_python: str = opt("", "vllm: the python of vLLM's own environment (empty: $EYAS_VLLM_PYTHON, else the one "
@@ -151,6 +153,11 @@ def run(cfg: RegenerateConfig) -> dict:
         raise EyasError(f"--out {out} is a folder", fix="name a .jsonl file to write")
     for spec in cfg.data:  # a missing file fails now, before anything is loaded
         resolve_data(spec)
+    if not cfg.server:  # the dtype the answers are made in, recorded beside them: never "auto"
+        dtype, why = choose_dtype(cfg.dtype, pick_device(cfg.device))
+        cfg = dataclasses.replace(cfg, dtype=dtype)
+        if why:
+            con.print(why)
     lock = lock_output(out)
     try:
         return _run(cfg, con, out)

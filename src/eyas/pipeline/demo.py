@@ -64,7 +64,7 @@ def demo_stages(cfg: DemoConfig, run: Path) -> list[Stage]:
     n = cfg.samples or (48 if quick else 320)
     n_chat = max(2, n // 8)  # some chitchat dialogues (their first 3 turns, answered in turn), the rest GSM8K
     # generation is bound by per-step overhead on a CPU, so a wide batch costs little more per step than a narrow one
-    regen = dict(target=target, dtype="bfloat16", max_new_tokens=48 if quick else 160, batch_size=32, quiet=cfg.quiet)
+    regen = dict(target=target, dtype="auto", max_new_tokens=48 if quick else 160, batch_size=32, quiet=cfg.quiet)
     r = str(run)
     return [
         Stage("regenerate-gsm8k", "regenerate", dict(regen, data=("gsm8k-train",), max_samples=n - n_chat,

@@ -24,6 +24,7 @@ from eyas.core.config import StageConfig, check, opt
 from eyas.core.errors import EyasError
 from eyas.core.log import console
 from eyas.core.paths import shared_data_dir
+from eyas.core.precision import choose_dtype
 from eyas.core.target import load_target
 from eyas.core.threads import Threads
 from eyas.data.chat import ChatRenderer
@@ -75,7 +76,8 @@ class EvalConfig(StageConfig):
                                      "checkpoint folder")
     lookup_k: int = opt(7, "prompt lookup: tokens proposed per round")
     hf_generate: bool = opt(True, "also time transformers' generate; the faster plain decoder is the baseline")
-    dtype: str = opt("bfloat16", "target and draft dtype", choices=("bfloat16", "float32", "float16"))
+    dtype: str = opt("auto", "target and draft dtype (auto: bfloat16 where the device multiplies it in hardware, "
+                     "else float32)", choices=("auto", "bfloat16", "float32", "float16"))
     device: str = opt("", "cpu, cuda, cuda:N; empty = cuda when available, else cpu")
     threads: int = opt(0, "CPU threads (0: the cores other work leaves free, re-checked between prompts; an "
                           "explicit OMP_NUM_THREADS also wins)")
@@ -274,7 +276,10 @@ def run(cfg: EvalConfig) -> dict:
         raise EyasError("the oracle drafter needs temperature 0", fix="drop 'oracle' from --baselines")
     if not cfg.draft:
         raise EyasError("no draft given", fix="pass --draft RUN/final (a trained checkpoint) or --draft untrained")
-    target = load_target(cfg.target, dtype=cfg.dtype, device=str(device))
+    dtype, why = choose_dtype(cfg.dtype, str(device))
+    if why:
+        con.print(why)
+    target = load_target(cfg.target, dtype=dtype, device=str(device))
     con.print(target.info())
     draft = load_draft(cfg.draft, target, device, target.dtype)
     extra = {b: load_draft(b, target, device, target.dtype) for b in cfg.baselines

@@ -78,7 +78,7 @@ def _lossless(recs: list[dict], tokenizer) -> dict:
                     # what a replay needs: the turn's ids and each round's draft length and accepted tokens
                     "replay": {"prompt_ids": wrong["prompt"], "output_ids": wrong["tokens"],
                                "reference_ids": wrong["reference"],
-                               "rounds": [[r["depth"], r["accepted"]] for r in wrong.get("rounds", [])]}}
+                               "rounds": [[r["size"], r["depth"], r["accepted"]] for r in wrong.get("rounds", [])]}}
     r = bad[0]
     i, ref = r["divergence"], r["reference"]
     got = r["tokens"]
@@ -207,9 +207,13 @@ def _replay_words(check: dict | None) -> str:
         return ""
     if "why" in check:
         return f"; not replayed: {check['why']}"
-    return (f"; replayed: fp32 cache error {check['fp32_cache_error']:.1e} (at most 1e-03 allowed), the run's "
-            f"own tokens " + ("reproduced" if check["reproduced"] else
-                               f"not reproduced from token {check['first_not_reproduced']}"))
+    words = (f"; replayed: fp32 cache error {check['fp32_cache_error']:.1e} (at most "
+             f"{check.get('tolerance', 1e-3):.0e} allowed), the run's own tokens "
+             + ("reproduced" if check["reproduced"] else f"not reproduced from token {check['first_not_reproduced']}"))
+    if "dtype_error" in check:  # eyas.speculate.lossless.DTYPE_SPREAD
+        words += (f", its logits {check['dtype_error']:.1e} from fp32 against one-token decoding's "
+                  f"{check['plain_dtype_error']:.1e} (at most {check['spread']:g}x allowed)")
+    return words
 
 
 def _plots(res: dict, out: Path) -> list[str]:

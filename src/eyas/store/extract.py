@@ -38,6 +38,7 @@ from eyas.core.errors import EyasError, disk_full
 from eyas.core.files import check_writable, read_json, write_json
 from eyas.core.log import console, fmt_bytes, fmt_duration, fmt_int
 from eyas.core.memory import tune_allocator
+from eyas.core.precision import SHORT, choose_dtype
 from eyas.core.target import DEFAULT_TARGET, load_target
 from eyas.core.threads import Threads
 from eyas.core.weights import load_target_shell, read_module
@@ -63,7 +64,8 @@ class ExtractConfig(StageConfig):
     store: str = opt("runs/demo/store", "output store folder (resumes when it holds a partial run)")
     target: str = opt(DEFAULT_TARGET, "target model: built-in name, HF folder or .gguf")
     layers: tuple[int, ...] = opt((), "HF hidden_states indices of the three features; empty = [2, L//2, L-3]")
-    dtype: Literal["bf16", "fp32", "fp16"] = opt("bf16", "dtype of the target's forward pass")
+    dtype: Literal["auto", "bf16", "fp32", "fp16"] = opt("auto", "dtype of the target's forward pass (auto: bf16 where "
+                                                         "the device multiplies it in hardware, else fp32)")
     compact: bool = opt(False, "store fp8 e4m3 with per-row power-of-two scales (half the bytes; see docs/store.md)")
     attn: Literal["auto", "sdpa", "eager"] = opt("auto", "attention kernel; auto keeps the target's (sdpa). "
                                                  "eager makes results independent of batching and padding")
@@ -255,6 +257,10 @@ def run(cfg: ExtractConfig, *, target=None) -> dict:
     con.print(f"threads: {n} per rank ({why})" + (f"; one rank per core keeps more speed beside other work: "
                                                   f"torchrun --nproc-per-node {len(cpu.cores)} -m eyas extract ..."
                                                   if alone else ""))
+    dtype, why = choose_dtype(cfg.dtype, dist.pick_device("auto") if cfg.engine == "vllm" else env.device)
+    cfg = dataclasses.replace(cfg, dtype=SHORT[dtype])  # what the store records: never "auto"
+    if why:
+        con.print(why)
     try:
         return _run(cfg, env, con, target, cpu)
     except OSError as e:  # the store's index, manifest or summary (a shard says which it was)

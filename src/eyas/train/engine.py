@@ -29,6 +29,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from eyas.core import dist
+from eyas.core.precision import native_bf16
 from eyas.draft.model import Eagle3Draft
 from eyas.draft.ttt import ttt_forward
 from eyas.train.data import needed_rows, sparse_target_logp, valid_masks
@@ -140,12 +141,7 @@ def resolve_dtype(dtype: str, device: str) -> str:
     """'auto' -> bf16 where it is fast (CUDA with bf16, or a CPU with native bf16 matmuls), else fp32."""
     if dtype != "auto":
         return dtype
-    if device.startswith("cuda"):
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
-    try:
-        return "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"
-    except (AttributeError, RuntimeError):
-        return "fp32"
+    return "bf16" if native_bf16(device) else "fp32"
 
 
 # -- full (unsharded) state for checkpoints -------------------------------------------------------------------------

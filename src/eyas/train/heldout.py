@@ -18,7 +18,7 @@ from eyas.core.errors import EyasError
 from eyas.core.weights import load_target_shell, read_module
 from eyas.draft.model import Eagle3Draft
 from eyas.train.data import load_micro_batch, open_store
-from eyas.train.engine import TTTObjective, validation_sums
+from eyas.train.engine import TTTObjective, resolve_dtype, validation_sums
 from eyas.train.sharding import EpochShard, ShardSpec, shard_epoch
 
 
@@ -47,9 +47,11 @@ def store_feature_layers(src) -> list[int] | None:
 
 
 def held_out_accuracy(draft: Eagle3Draft, store: str, target: str, ttt_steps: int, micro_batch: int = 1,
-                      max_tokens: int = 0, dtype: str = "bf16", device: str = "cpu") -> dict:
+                      max_tokens: int = 0, dtype: str = "auto", device: str = "cpu") -> dict:
     """{"samples", "loss_i", "acc_i", "count_i"} of `draft` over every sample of `store` (extracted from `target`),
-    for `ttt_steps` steps, batched as training's validation pass batches them (`micro_batch`, `max_tokens`)."""
+    for `ttt_steps` steps, batched as training's validation pass batches them (`micro_batch`, `max_tokens`), in
+    training's compute dtype (`dtype` as --dtype: auto is bf16 where the device multiplies it in hardware)."""
+    dtype = resolve_dtype(dtype, device)
     src = open_store(store)
     layers = store_feature_layers(src)
     if layers is not None and sorted(layers) != sorted(draft.cfg.feature_layers):
