@@ -109,6 +109,21 @@ def test_a_replay_catches_a_fault_of_the_verify_path_that_only_the_runs_dtype_sh
     assert not check["confirmed"] and check["dtype_error"] > lossless.DTYPE_SPREAD * check["plain_dtype_error"]
 
 
+def test_a_replay_that_cannot_be_run_as_recorded_is_not_confirmed_and_says_why(run):
+    """Rounds that verified a tree (their shape is not in the round's figures) and rounds that do not cover the
+    output (a record from elsewhere) are never confirmed: the turn stays a NO, with the reason and what to do."""
+    target, runner, records = run
+    runner32, rows = _fp32(target)
+    rec = records[0]
+    tree = {**rec, "rounds": [{**rec["rounds"][0], "size": rec["rounds"][0]["depth"] + 2}, *rec["rounds"][1:]]}
+    check = lossless.confirm_by_replay(runner32, runner, tree, rows(rec))
+    assert not check["confirmed"] and "tree" in check["why"] and "--dtype float32" in check["why"]
+    short = {**rec, "rounds": rec["rounds"][:2]}
+    covered = 1 + sum(r["accepted"] + 1 for r in short["rounds"])  # the prefill's token, then each round's
+    check = lossless.confirm_by_replay(runner32, runner, short, rows(rec))
+    assert not check["confirmed"] and f"cover {covered} of the {len(rec['tokens'])} tokens" in check["why"]
+
+
 def test_rescore_settles_a_gap_beyond_rounding_by_replay_and_keeps_a_real_mismatch(run, monkeypatch):
     """With no rounding allowed (ULPS 0), every token off the fp32 top-1 goes to the replay: the run's own tokens
     are confirmed as the bf16 target's choices (yes*), a token it did not choose stays a NO that says why."""
