@@ -34,6 +34,7 @@ from eyas.core.errors import EyasError
 from eyas.core.files import read_json
 from eyas.core.memory import pack_module
 from eyas.core.paths import cache_dir, inside
+from eyas.core.precision import FULL
 
 DEFAULT_TARGET = "smollm2-135m"
 
@@ -175,11 +176,9 @@ def default_feature_layers(num_layers: int) -> list[int]:
 def _dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
-    if name not in table:
-        raise EyasError(f"unknown dtype {name!r}", fix=f"use one of {', '.join(table)}")
-    return table[name]
+    if name not in FULL:
+        raise EyasError(f"unknown dtype {name!r}", fix=f"use one of {', '.join(FULL)}")
+    return getattr(torch, FULL[name])
 
 
 def _package_dir(package: str, name: str) -> Path:

@@ -36,6 +36,7 @@ FP32_TIE = 1e-3  # relative: fp32 logits closer than this are a tie, either toke
 ULPS = 4  # a bf16 (fp16) run's tolerance: logits within this many units in the last place of its dtype
 MANTISSA = {torch.bfloat16: 7, torch.float16: 10}  # explicit mantissa bits
 DTYPE_SPREAD = 4.0  # how much further from fp32 the verify shapes' logits may be than one-token decoding's
+ONE_TOKEN = {"size": 0, "depth": 0, "accepted": 0}  # a round that drafts nothing: plain decoding's shape
 FILLER = 0  # the token replayed in place of a rejected draft token (causal attention keeps it from the kept rows)
 
 
@@ -150,9 +151,6 @@ def confirm_by_replay(runner32, runner, record: dict, fp32_rows: torch.Tensor) -
     return {"confirmed": error <= FP32_TIE and off is None and rounding, "fp32_cache_error": error,
             "tolerance": FP32_TIE, "reproduced": off is None, "first_not_reproduced": off,
             "dtype_error": dtype_error, "plain_dtype_error": plain_error, "spread": DTYPE_SPREAD}
-
-
-ONE_TOKEN = {"size": 0, "depth": 0, "accepted": 0}  # a round that drafts nothing: plain decoding's shape
 
 
 @torch.inference_mode()

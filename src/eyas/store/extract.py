@@ -38,7 +38,7 @@ from eyas.core.errors import EyasError, disk_full
 from eyas.core.files import check_writable, read_json, write_json
 from eyas.core.log import console, fmt_bytes, fmt_duration, fmt_int
 from eyas.core.memory import tune_allocator
-from eyas.core.precision import SHORT, choose_dtype
+from eyas.core.precision import FULL, SHORT, choose_dtype
 from eyas.core.target import DEFAULT_TARGET, load_target
 from eyas.core.threads import Threads
 from eyas.core.weights import load_target_shell, read_module
@@ -51,7 +51,6 @@ from eyas.store.writer import ShardBuilder, check_coverage, write_manifest
 SUMMARY_FILE = "summary.json"  # what the last run of extract did (rank 0 writes it when all is merged)
 SETTINGS_FILE = "extract.json"  # what a store was started with; a restart must match it
 HEADER_BYTES = 64 * 1024  # allowance per shard for its safetensors header (its own index)
-ENGINE_DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}  # --dtype as vLLM takes it
 ENGINE_DIR = ".engine"  # STORE/.engine/rank-R/: the files of the engine eyas started, while they are read
 NO_SPACE_FIX = ("free space on that disk (or raise the limit) and rerun the same command: it keeps the finished "
                 "shards and writes only the missing ones")
@@ -328,13 +327,13 @@ def _store_header(cfg: ExtractConfig, target, layer_ids: list[int], fingerprint,
 def forward_dtype(cfg: ExtractConfig, target) -> str:
     """The dtype the target runs in: the loaded model's, or the one the engine is started with."""
     if cfg.engine == "vllm":
-        return ENGINE_DTYPES[cfg.dtype]
+        return FULL[cfg.dtype]
     return str(target.dtype).removeprefix("torch.")
 
 
 def engine_dtype(cfg: ExtractConfig) -> torch.dtype:
     """The dtype the engine runs in, and writes its states in."""
-    return getattr(torch, ENGINE_DTYPES[cfg.dtype])
+    return getattr(torch, FULL[cfg.dtype])
 
 
 def _on_every_rank(env, fn: Callable[[], dict]) -> dict:
@@ -521,7 +520,7 @@ def open_engine(cfg, env, con, target, layer_ids: list[int], longest: int) -> Vl
     for leftover in (*tmp.glob("*.safetensors"), *tmp.glob("*.safetensors.lock")):  # a killed run's, never read
         leftover.unlink(missing_ok=True)
     log = Path(cfg.store) / "logs" / f"engine-rank-{env.rank:05d}.log"
-    extra = " ".join([f"--dtype {ENGINE_DTYPES[cfg.dtype]}", *revision])
+    extra = " ".join([f"--dtype {FULL[cfg.dtype]}", *revision])
     if "--max-model-len" not in cfg.engine_args:
         extra += f" --max-model-len {longest + 1}"  # the longest prompt, and the one token a completion asks for
     extra += f" {cfg.engine_args}"
