@@ -156,3 +156,31 @@ def test_rescore_settles_a_gap_beyond_rounding_by_replay_and_keeps_a_real_mismat
                         "efficiency": 1.0, "overhead_share": 0.0, "accept_rate_by_position": [],
                         "lossless": verdict}]}
     assert f"not reproduced from token {i}" in "\n".join(summary_lines(res))
+
+
+def test_the_fp32_copy_is_the_models_in_fp32_tied_weights_tied_and_the_model_untouched(run):
+    target = run[0]
+    model = target.model
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    c = lossless.fp32_copy(model)
+    want = copy.deepcopy(model).float().state_dict()
+    got = c.state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+    assert all(p.dtype == torch.float32 for p in c.parameters())
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    if model.get_output_embeddings().weight is model.get_input_embeddings().weight:  # tied in the model: tied here
+        assert c.get_output_embeddings().weight is c.get_input_embeddings().weight
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert torch.equal(c(ids).logits, copy.deepcopy(model).float()(ids).logits)
+
+
+def test_the_fp32_copy_goes_to_the_cpu_when_the_gpu_has_no_room(monkeypatch):
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * 2**30, 80 * 2**30))  # 10 GiB free
+    assert lossless.fp32_device(gpu, 32 * 2**30) == torch.device("cpu")  # an 8B target in fp32
+    assert lossless.fp32_device(gpu, 7 * 2**30) == gpu  # fits, with a quarter to spare
+    assert lossless.fp32_device(gpu, 9 * 2**30) == torch.device("cpu")  # fits, but leaves no room to run
+    assert lossless.fp32_device(torch.device("cpu"), 2**40) == torch.device("cpu")

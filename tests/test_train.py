@@ -392,6 +392,18 @@ def test_eta_counts_max_steps(store, tmp_path, capsys):
     assert "for the run's 8 optimizer steps (--max-steps 8 of 24 planned)" in err
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_an_explicit_bf16_on_a_cpu_that_emulates_it_is_warned_about(store, tmp_path, capsys, monkeypatch, native):
+    """--dtype bf16 where the CPU has no bf16 in hardware trains as asked, and says it will be slow (as extract,
+    regenerate and evaluate do); where the CPU has it, nothing is said."""
+    from eyas.core import precision
+    monkeypatch.setattr(precision, "native_bf16", lambda device: native)
+    run(TrainConfig(quiet=False, store=str(store), out=str(tmp_path / "r"), max_steps=1, dtype="bf16", **SMALL))
+    err = capsys.readouterr().err
+    assert json.loads((tmp_path / "r" / "plan.json").read_text())["dtype"] == "bf16"
+    assert ("dtype: bfloat16 is emulated on this CPU" in err) is not native
+
+
 def test_an_explicit_omp_num_threads_wins(store, tmp_path, monkeypatch):
     """OMP_NUM_THREADS=1 set by the user is what train uses (it used the machine's 2 cores regardless), and the
     plan says why (--threads wins over both: tests/test_threads.py)."""

@@ -70,12 +70,13 @@ def rescore(target, records, runner=None) -> None:
     """Steps 2 and 3 of the module docstring for every output that differs from plain greedy decoding. `runner`
     is the run's own (its dtype and kernels); without one, nothing is replayed.
     Sets record["rescore"] = {"ties": [...], "mismatch": ...}; a tie settled by the replay has "replayed": True.
-    Memory: the fp32 copy of the target, the fp32 logits of the output's rows only, and, for the replay, the
-    runner's own copies of its weights in fp32 (a replay that fails, out of memory say, is reported, not raised)."""
+    Memory: the fp32 copy of the target (on the CPU when the GPU has no room for it), the fp32 logits of the
+    output's rows only, and, for the replay, the runner's own copies of its weights in fp32 (a replay that fails,
+    out of memory say, is reported, not raised)."""
     bad = [r for r in records if r.get("divergence") is not None]
     if not bad:
         return
-    model = target.model if target.dtype == torch.float32 else copy.deepcopy(target.model).float()
+    model = target.model if target.dtype == torch.float32 else fp32_copy(target.model)
     replays = runner is not None and target.dtype != torch.float32
     runner32 = None
     try:
@@ -98,6 +99,29 @@ def rescore(target, records, runner=None) -> None:
     finally:
         if close := getattr(runner32, "close", None):  # the HF runner's forward hooks on the fp32 copy
             close()
+
+
+def fp32_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` in float32, made tensor by tensor (never a second copy in the run's dtype first, and tied weights
+    stay tied), on the model's device where it fits (`fp32_device`), else on the CPU."""
+    tensors = [*model.parameters(), *model.buffers()]
+    dev = fp32_device(tensors[0].device, sum(t.numel() for t in tensors if t.is_floating_point()) * 4)
+
+    def fp32(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to(dev, torch.float32 if t.is_floating_point() else t.dtype)
+
+    memo = {id(p): torch.nn.Parameter(fp32(p), requires_grad=False) for p in model.parameters()}
+    memo |= {id(b): fp32(b) for b in model.buffers()}
+    return copy.deepcopy(model, memo)
+
+
+def fp32_device(device: torch.device, need: int) -> torch.device:
+    """Where the fp32 copy (`need` bytes) goes: the model's own device, unless that is a GPU whose free memory
+    holds it with less than a quarter to spare for the rescore's activations (an 8B target in bf16 needs 32 GB
+    more): then the CPU, slower but sure."""
+    if device.type == "cuda" and torch.cuda.mem_get_info(device)[0] < 1.25 * need:
+        return torch.device("cpu")
+    return device
 
 
 def _fp32_rows(model, record: dict) -> torch.Tensor:
@@ -141,7 +165,7 @@ def confirm_by_replay(runner32, runner, record: dict, fp32_rows: torch.Tensor) -
     scale = fp32_rows.abs().amax(-1).clamp_min(1.0)  # [T]
 
     def distance(x: torch.Tensor, skip: int = 0) -> float:  # the largest |x - fp32| over rows, relative to scale
-        return max([0.0] + ((x - fp32_rows).abs().amax(-1) / scale)[skip:].tolist())
+        return max([0.0] + ((x.to(fp32_rows.device) - fp32_rows).abs().amax(-1) / scale)[skip:].tolist())
 
     # row 0 comes from the prompt's forward, which plain decoding runs too: the rows after it tell the two apart
     error, dtype_error, plain_error = distance(rows32), distance(rows, 1), distance(plain, 1)

@@ -30,6 +30,7 @@ from eyas.core.errors import EyasError
 from eyas.core.files import read_json, write_json
 from eyas.core.log import fmt_int
 from eyas.core.memory import tune_allocator
+from eyas.core.precision import choose_dtype
 from eyas.core.target import Target, load_target
 from eyas.core.threads import Threads
 from eyas.core.weights import load_target_shell, read_module
@@ -106,6 +107,9 @@ def setup(cfg, env, con) -> TrainParts:
     threads, threads_why = cpu.n, cpu.why
     torch.manual_seed(cfg.seed)
     out, dtype = Path(cfg.out), resolve_dtype(cfg.dtype, env.device)
+    why = choose_dtype(cfg.dtype, env.device)[1]
+    if why:  # what auto chose and why, or why an explicit bf16 will be slow on this CPU
+        con.print(why)
     ckpt = resume_point(cfg, env, con, out)
     train_src, val_src = sources(cfg)
     data_record = skipped_data(train_src, ckpt, con)
