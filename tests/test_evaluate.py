@@ -108,6 +108,7 @@ def test_evaluate_end_to_end_on_the_tiny_target(tiny_target, tmp_path, capsys):
     for c in res["configs"]:
         assert c["speedup"] == pytest.approx(c["tokens_per_s"] / b["tokens_per_s"])
     assert set(res["latency_ms"]) >= {"1", "4", "8", "16", "32"}
+    assert all(res["latency_ms"][str(w)] and w > int(q) for q, w in res["verify_widths"].items())  # measured, wider
     s = res["samples"][0]  # for the run report: text pieces and the tokens accepted per round
     assert s["method"].startswith("eagle3") and s["prompt"] == "Tell me a story."
     assert sum(s["accepted"]) + len(s["accepted"]) + 1 >= len(s["pieces"]) > 1

@@ -23,7 +23,7 @@ from eyas.speculate.drafters import (
     TreeShape,
     quantize_int8,
 )
-from eyas.speculate.runner import HFRunner, LeanRunner, attention_mask
+from eyas.speculate.runner import HFRunner, LeanRunner, attention_mask, effective_latency, verify_widths
 from tests.speculate_helpers import random_prompts, trained_draft, untrained_draft
 
 NEW = 32
@@ -148,6 +148,56 @@ def test_greedy_speculation_equals_greedy_decoding(tiny_target, refs, kind):
         assert min(taus) >= 4.0  # k + 1 = 5 except the shorter last round (31 tokens in 7 rounds)
     if kind.startswith("trained") or kind.startswith("hybrid"):
         assert sum(taus[:4]) / 4 > 2.0, taus  # on the prompts it was trained on
+
+
+def test_verify_widths_widen_only_where_a_wider_forward_measured_faster():
+    # t(q) in ms as measured for SmolLM2-135M in fp32 on an AMD EPYC with AVX2 (2 threads, 2026-12-03)
+    avx2 = {1: 69.0, 2: 107.9, 3: 136.4, 4: 90.0, 5: 102.9, 6: 102.2, 7: 136.8, 8: 108.2, 16: 147.0}
+    assert verify_widths(avx2) == {2: 4, 3: 4, 7: 8}  # 5 -> 6 would save 0.7%: noise, not widened
+    assert effective_latency(avx2, {2: 4, 3: 4, 7: 8}) == {**avx2, 2: 90.0, 3: 90.0, 7: 108.2}
+    assert verify_widths({1: 10.0, 2: 11.0, 4: 12.0, 8: 15.0}) == {}  # t grows with q: nothing to gain
+    assert verify_widths({1: 10.0, 2: 11.0, 3: 10.6}) == {}  # within 5%: measurement noise
+
+
+@pytest.mark.parametrize("impl", [LeanRunner, HFRunner])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_widened_forward_returns_the_rows_of_the_narrow_one_and_commits_only_them(tiny_target, impl, dtype):
+    """Chain and tree forwards widened by fillers: the real rows' logits and features are the q-row forward's
+    (bit for bit in the lean runner's bf16, built to be row-invariant; to rounding otherwise), and after a commit
+    the next forward sees the real tokens only."""
+    from eyas.core.target import load_target
+
+    target = tiny_target if dtype == "float32" else load_target("tiny", dtype=dtype)
+    g = torch.Generator().manual_seed(3)
+    prefix, tokens, nxt = (torch.randint(0, 40000, (n,), generator=g) for n in (9, 7, 3))
+    parents = random_parents(6, g)
+    tree = (9 + torch.tensor([0] + Proposal(tokens[1:], parents).depths()), tree_mask(parents))
+    out = {}
+    for widths in ({}, {7: 12, 3: 4}):
+        runner = impl(target, target.default_feature_layers())
+        runner.widths = widths
+        runner.prefill(prefix)
+        chain = runner.forward(tokens)
+        runner.commit([0, 1, 2])
+        after = runner.forward(nxt)
+        runner.length = 9
+        out[bool(widths)] = (*chain, *after, *runner.forward(tokens, *tree))
+        assert runner.pending == 7 and chain[0].shape[0] == 7 and after[0].shape[0] == 3
+    for narrow, wide in zip(out[False], out[True]):
+        if dtype == "bfloat16" and impl is LeanRunner:
+            assert torch.equal(narrow, wide)
+        else:  # fp32; or HF's attention in bf16, whose fused kernel blocks by row count: a unit in the last place
+            tol = 1e-5 if dtype == "float32" else 2 ** -7
+            torch.testing.assert_close(wide, narrow, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("kind", ["trained-chain", "trained-tree", "prompt-lookup", "hybrid"])
+def test_greedy_speculation_with_widened_verification_equals_greedy_decoding(tiny_target, refs, kind):
+    runner = LeanRunner(tiny_target, tiny_target.default_feature_layers())
+    runner.widths = {q: q + 3 for q in range(2, 16)}  # every verification widened
+    drafter = _drafter(kind, tiny_target)
+    for prompt, ref in refs:
+        assert speculative_generate(runner, drafter, prompt, NEW).tokens == ref, kind
 
 
 def test_bf16_speculation_reproduces_bf16_greedy_decoding_bit_for_bit():

@@ -46,7 +46,7 @@ from eyas.speculate.drafters import (
     TreeShape,
     quantize_int8,
 )
-from eyas.speculate.runner import make_runner, measure_latency
+from eyas.speculate.runner import effective_latency, make_runner, measure_latency, verify_widths
 
 REPORT_QS = (1, 4, 8, 16, 32)
 
@@ -87,6 +87,8 @@ class EvalConfig(StageConfig):
     runner: str = opt("auto", "target forward: lean (Llama family), hf (any model), auto",
                       choices=("auto", "lean", "hf"))
     latency_prefix: int = opt(300, "prefix length for the latency table t(q)")
+    widen: bool = opt(True, "verify q tokens in a wider forward where the measured t(q) says the wider one is "
+                      "faster (fp32 on AVX2 CPUs: t(3) > t(4)); the extra rows are fillers, never committed")
     seed: int = opt(0, "seed of sampling at temperature > 0")
     repeats: int = opt(1, "decode every turn this many times per method and keep the fastest (steadier on a busy "
                        "machine)")
@@ -300,7 +302,12 @@ def run(cfg: EvalConfig) -> dict:
     qs = sorted(set(REPORT_QS) | set(range(1, max(cfg.chain + (cfg.lookup_k,)) + 2)) | {cfg.tree_size + 1})
     con.print(f"measuring target latency t(q) for q = {qs} after {cfg.latency_prefix} tokens ...")
     latency = measure_latency(runner, qs, prefix=cfg.latency_prefix)
-    methods = build_methods(cfg, draft, extra, latency, target.vocab_size)
+    runner.widths = verify_widths(latency) if cfg.widen else {}
+    if runner.widths:
+        con.print("verify widths: " + ", ".join(f"{q} tokens in a forward of {w} ({1e3 * latency[q]:.1f} -> "
+                                                  f"{1e3 * latency[w]:.1f} ms)" for q, w in runner.widths.items())
+                  + " (measured here; --no-widen verifies every q as q rows)")
+    methods = build_methods(cfg, draft, extra, effective_latency(latency, runner.widths), target.vocab_size)
     renderer = ChatRenderer(target.tokenizer)
     stop = stop_ids(target, renderer)
     _warm_up(runner, renderer, methods, items[0], stop, cfg)

@@ -23,6 +23,7 @@ import torch
 
 from eyas.core.files import write_json
 from eyas.speculate.decode import acceptance_stats
+from eyas.speculate.runner import effective_latency
 
 
 def _tps(recs) -> float | None:
@@ -111,15 +112,17 @@ def aggregate(cfg, target, draft, runner, items, methods, records, latency) -> d
         base["hf_generate"] = {"tokens_per_s": hf_tps, "decode_s": sum(r["decode_s"] for r in by("hf_generate")),
                                "same_tokens_as_eyas": same if cfg.temperature == 0 else None}
     configs = []
+    widths = getattr(runner, "widths", {})
+    cost = effective_latency(latency, widths)  # what a verification cost, widened where that was faster
     for m in methods:
-        fig = method_figures(by(m.name), base["tokens_per_s"], latency)
+        fig = method_figures(by(m.name), base["tokens_per_s"], cost)
         e2e = [r for r in by(m.name)]
         e2e_plain = (sum(len(r["tokens"]) for r in by("plain"))
                      / sum(r["decode_s"] + r["prefill_s"] for r in by("plain")))
         e2e_m = sum(len(r["tokens"]) for r in e2e) / sum(r["decode_s"] + r["prefill_s"] for r in e2e)
         per_cat = {}
         for c in cats:
-            f = method_figures(by(m.name, c), _tps(by(chosen, c)), latency)
+            f = method_figures(by(m.name, c), _tps(by(chosen, c)), cost)
             per_cat[c] = {k: f[k] for k in ("turns", "tau", "speedup", "tokens_per_s", "accept_rate_by_position")}
         configs.append({"name": m.name, "drafter": m.source, "mode": m.mode, "k": m.k,
                         "adaptive": m.controller is not None, **fig,
@@ -142,6 +145,7 @@ def aggregate(cfg, target, draft, runner, items, methods, records, latency) -> d
                       "categories": cats},
             "threads": torch.get_num_threads(),
             "latency_ms": {str(q): 1000 * latency[q] for q in sorted(latency)}, "latency_prefix": cfg.latency_prefix,
+            "verify_widths": {str(q): w for q, w in sorted(widths.items())},
             "baseline": base, "configs": configs,
             "best": {k: best[k] for k in ("name", "speedup", "tau")} if best else None,
             "samples": _samples(by(shown["name"]), target.tokenizer) if shown else [],
@@ -275,10 +279,12 @@ def _markdown(res: dict) -> str:
              "tau: tokens per target verification round, bonus included. Speedup: decode tokens/s over the faster of "
              "eyas's greedy loop and transformers' generate. Predicted: sum (a+1) t(1) / sum (t(q) + draft time) from "
              "the measured latencies; efficiency = measured / predicted; overhead = share of decode time outside the "
-             "target and draft forwards.", "", "## Latency of the target", "", "| q | t(q) ms | t(q)/t(1) |",
-             "|---|---|---|"]
-    t1 = res["latency_ms"]["1"]
-    lines += [f"| {q} | {v:.1f} | {v / t1:.2f} |" for q, v in res["latency_ms"].items()]
+             "target and draft forwards.", "", "## Latency of the target", "",
+             "t(q): one forward over q new tokens. Where a wider forward measured faster, q tokens were verified in "
+             "it (fillers in the extra rows, never committed; `--no-widen` turns this off).", "",
+             "| q | t(q) ms | t(q)/t(1) | verified in a forward of |", "|---|---|---|---|"]
+    t1, widths = res["latency_ms"]["1"], res.get("verify_widths", {})
+    lines += [f"| {q} | {v:.1f} | {v / t1:.2f} | {widths.get(q, q)} |" for q, v in res["latency_ms"].items()]
     lines += ["", "## Per category", "", "| config | category | turns | tau | speedup |", "|---|---|---|---|---|"]
     for c in res["configs"]:
         lines += [f"| {c['name']} | {k} | {v['turns']} | {_fmt(v['tau'])} | {_fmt(v['speedup'])} |"
