@@ -2,6 +2,7 @@
 tiny target through the CLI."""
 
 import json
+import re
 
 import pytest
 
@@ -76,8 +77,14 @@ def test_figures_on_hand_made_records():
     assert f["tau"] == pytest.approx(8 / 3) and f["accept_rate_by_position"] == [1.0, 1 / 2, 1.0]
 
 
-def test_evaluate_end_to_end_on_the_tiny_target(tiny_target, tmp_path, capsys):
+def test_evaluate_end_to_end_on_the_tiny_target(tiny_target, tmp_path, capsys, monkeypatch):
     from eyas.cli import main
+    from eyas.speculate import evaluate
+
+    # widths as a machine whose small forwards are slow would measure them (tests/test_speculate.py checks the
+    # choice itself): every figure below, lossless included, holds with verification widened
+    wide = {2: 4, 3: 4, 4: 8, 7: 8}
+    monkeypatch.setattr(evaluate, "verify_widths", lambda lat: {q: w for q, w in wide.items() if {q, w} <= set(lat)})
 
     draft_dir = tmp_path / "draft"
     save_draft(trained_draft(tiny_target), draft_dir)
@@ -108,7 +115,10 @@ def test_evaluate_end_to_end_on_the_tiny_target(tiny_target, tmp_path, capsys):
     for c in res["configs"]:
         assert c["speedup"] == pytest.approx(c["tokens_per_s"] / b["tokens_per_s"])
     assert set(res["latency_ms"]) >= {"1", "4", "8", "16", "32"}
-    assert all(res["latency_ms"][str(w)] and w > int(q) for q, w in res["verify_widths"].items())  # measured, wider
+    assert res["verify_widths"] == {"2": 4, "3": 4, "4": 8, "7": 8}
+    report_md = (out / "report.md").read_text()
+    assert re.search(r"^\| 3 \| [\d.]+ \| [\d.]+ \| 4 \|$", report_md, re.M)  # q = 3 verified in 4 rows
+    assert re.search(r"^\| 5 \| [\d.]+ \| [\d.]+ \| 5 \|$", report_md, re.M)
     s = res["samples"][0]  # for the run report: text pieces and the tokens accepted per round
     assert s["method"].startswith("eagle3") and s["prompt"] == "Tell me a story."
     assert sum(s["accepted"]) + len(s["accepted"]) + 1 >= len(s["pieces"]) > 1

@@ -157,6 +157,7 @@ def test_verify_widths_widen_only_where_a_wider_forward_measured_faster():
     assert effective_latency(avx2, {2: 4, 3: 4, 7: 8}) == {**avx2, 2: 90.0, 3: 90.0, 7: 108.2}
     assert verify_widths({1: 10.0, 2: 11.0, 4: 12.0, 8: 15.0}) == {}  # t grows with q: nothing to gain
     assert verify_widths({1: 10.0, 2: 11.0, 3: 10.6}) == {}  # within 5%: measurement noise
+    assert verify_widths({1: 10.0, 2: 11.0, 4: 10.0, 32: 5.0}) == {2: 4}  # never past twice the rows
 
 
 @pytest.mark.parametrize("impl", [LeanRunner, HFRunner])
@@ -176,6 +177,8 @@ def test_a_widened_forward_returns_the_rows_of_the_narrow_one_and_commits_only_t
     for widths in ({}, {7: 12, 3: 4}):
         runner = impl(target, target.default_feature_layers())
         runner.widths = widths
+        rows, inner = [], runner._forward
+        runner._forward = lambda ids, *a: rows.append(ids.shape[0]) or inner(ids, *a)
         runner.prefill(prefix)
         chain = runner.forward(tokens)
         runner.commit([0, 1, 2])
@@ -183,6 +186,7 @@ def test_a_widened_forward_returns_the_rows_of_the_narrow_one_and_commits_only_t
         runner.length = 9
         out[bool(widths)] = (*chain, *after, *runner.forward(tokens, *tree))
         assert runner.pending == 7 and chain[0].shape[0] == 7 and after[0].shape[0] == 3
+        assert rows == ([9, 12, 4, 12] if widths else [9, 7, 3, 7])  # the prompt is never widened
     for narrow, wide in zip(out[False], out[True]):
         if dtype == "bfloat16" and impl is LeanRunner:
             assert torch.equal(narrow, wide)
@@ -191,10 +195,11 @@ def test_a_widened_forward_returns_the_rows_of_the_narrow_one_and_commits_only_t
             torch.testing.assert_close(wide, narrow, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("impl", [LeanRunner, HFRunner])
 @pytest.mark.parametrize("kind", ["trained-chain", "trained-tree", "prompt-lookup", "hybrid"])
-def test_greedy_speculation_with_widened_verification_equals_greedy_decoding(tiny_target, refs, kind):
-    runner = LeanRunner(tiny_target, tiny_target.default_feature_layers())
-    runner.widths = {q: q + 3 for q in range(2, 16)}  # every verification widened
+def test_greedy_speculation_with_widened_verification_equals_greedy_decoding(tiny_target, refs, kind, impl):
+    runner = impl(tiny_target, tiny_target.default_feature_layers())
+    runner.widths = {q: q + 3 for q in range(2, 16)}  # every verification widened (tree paths gathered after it)
     drafter = _drafter(kind, tiny_target)
     for prompt, ref in refs:
         assert speculative_generate(runner, drafter, prompt, NEW).tokens == ref, kind

@@ -88,6 +88,7 @@ def rescore(target, records, runner=None) -> None:
                     if runner32 is None:
                         runner32 = make_runner(dataclasses.replace(target, model=model), runner.feature_layers,
                                                "lean" if isinstance(runner, LeanRunner) else "hf")  # the run's kind
+                        runner32.widths = dict(runner.widths)  # and the run's forward shapes
                     r["replay"] = confirm_by_replay(runner32, runner, r, chose)
                 except (RuntimeError, MemoryError) as e:  # the decoding's results stand; the check says it could not
                     r["replay"] = {"confirmed": False, "why": f"the replay failed ({type(e).__name__}: "
@@ -108,11 +109,14 @@ def fp32_copy(model: torch.nn.Module) -> torch.nn.Module:
     dev = fp32_device(tensors[0].device, sum(t.numel() for t in tensors if t.is_floating_point()) * 4)
 
     def fp32(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().to(dev, torch.float32 if t.is_floating_point() else t.dtype)
+        return t.detach().to(dev, torch.float32 if t.is_floating_point() else t.dtype, copy=True)
 
     memo = {id(p): torch.nn.Parameter(fp32(p), requires_grad=False) for p in model.parameters()}
     memo |= {id(b): fp32(b) for b in model.buffers()}
-    return copy.deepcopy(model, memo)
+    twin = copy.deepcopy(model, memo)
+    for m in twin.modules():  # a runner's feature hooks on the model (HFRunner) would write into that runner
+        m._forward_hooks.clear()
+    return twin
 
 
 def fp32_device(device: torch.device, need: int) -> torch.device:

@@ -47,13 +47,16 @@ PAD = 0  # the filler token of a widened forward (its rows are never read, never
 
 
 def verify_widths(latency: dict[int, float], margin: float = 0.05) -> dict[int, int]:
-    """{q: w}: the measured q (>= 2) to verify in a forward over w > q rows, the measured width at or above q whose
-    t(w) is least, where that is at least `margin` below t(q) (measurement noise never widens)."""
-    qs, out = sorted(latency), {}
-    for i, q in enumerate(qs):
-        w = min(qs[i:], key=lambda x: latency[x])
-        if q >= 2 and w != q and latency[w] < (1 - margin) * latency[q]:
-            out[q] = w
+    """{q: w}: the measured q (>= 2) to verify in a forward over w rows, the measured width in (q, 2q] whose t(w) is
+    least, where that is at least `margin` below t(q). The margin keeps small noise from widening, and the cap
+    bounds what noise can cost where t is flat (a GPU): at most twice the rows."""
+    out = {}
+    for q in sorted(latency):
+        wider = [w for w in latency if q < w <= 2 * q]
+        if q >= 2 and wider:
+            w = min(wider, key=lambda x: (latency[x], x))
+            if latency[w] < (1 - margin) * latency[q]:
+                out[q] = w
     return out
 
 
@@ -63,12 +66,13 @@ def effective_latency(latency: dict[int, float], widths: dict[int, int]) -> dict
 
 
 def _widened(ids, positions, tree, w: int):
-    """`ids` [q] and their positions and tree, followed by w - q filler tokens at the next positions. The real
-    tokens never see the fillers (causal order, or a tree mask in which each filler sees only itself), so their
-    rows are what the q-row forward computes."""
+    """`ids` [q] and their positions and tree, followed by w - q filler tokens at the last real token's position
+    (never past it: rotary scalings that depend on the largest position, or learned position tables, see no
+    position the narrow forward would not). The real tokens never see the fillers (causal order, or a tree mask
+    in which each filler sees only itself), so their rows are what the q-row forward computes."""
     q, n = ids.shape[0], w - ids.shape[0]
     ids = torch.cat((ids, ids.new_full((n,), PAD)))
-    positions = torch.cat((positions, positions.max() + 1 + torch.arange(n, device=positions.device)))
+    positions = torch.cat((positions, positions.max().expand(n)))
     if tree is not None:
         wide = torch.zeros(w, w, dtype=torch.bool, device=tree.device)
         wide[:q, :q] = tree
