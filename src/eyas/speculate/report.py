@@ -112,7 +112,7 @@ def aggregate(cfg, target, draft, runner, items, methods, records, latency) -> d
         base["hf_generate"] = {"tokens_per_s": hf_tps, "decode_s": sum(r["decode_s"] for r in by("hf_generate")),
                                "same_tokens_as_eyas": same if cfg.temperature == 0 else None}
     configs = []
-    widths = getattr(runner, "widths", {})
+    widths = runner.widths
     cost = effective_latency(latency, widths)  # what a verification cost, widened where that was faster
     for m in methods:
         fig = method_figures(by(m.name), base["tokens_per_s"], cost)

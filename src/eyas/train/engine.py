@@ -29,7 +29,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from eyas.core import dist
-from eyas.core.precision import native_bf16
+from eyas.core.precision import SHORT, choose_dtype
 from eyas.draft.model import Eagle3Draft
 from eyas.draft.ttt import ttt_forward
 from eyas.train.data import needed_rows, sparse_target_logp, valid_masks
@@ -137,11 +137,11 @@ def autocast(device: str, dtype: str):
     return torch.autocast("cuda" if device.startswith("cuda") else "cpu", dtype=torch.bfloat16)
 
 
-def resolve_dtype(dtype: str, device: str) -> str:
-    """'auto' -> bf16 where it is fast (CUDA with bf16, or a CPU with native bf16 matmuls), else fp32."""
-    if dtype != "auto":
-        return dtype
-    return "bf16" if native_bf16(device) else "fp32"
+def resolve_dtype(dtype: str, device: str) -> tuple[str, str | None]:
+    """--dtype (auto, bf16, fp32) on `device` -> (the short name training computes in, the line that says what auto
+    chose or why an explicit bf16 will be slow here), as every stage decides it (eyas.core.precision)."""
+    name, why = choose_dtype(dtype, device)
+    return SHORT[name], why
 
 
 # -- full (unsharded) state for checkpoints -------------------------------------------------------------------------

@@ -51,7 +51,7 @@ def held_out_accuracy(draft: Eagle3Draft, store: str, target: str, ttt_steps: in
     """{"samples", "loss_i", "acc_i", "count_i"} of `draft` over every sample of `store` (extracted from `target`),
     for `ttt_steps` steps, batched as training's validation pass batches them (`micro_batch`, `max_tokens`), in
     training's compute dtype (`dtype` as --dtype: auto is bf16 where the device multiplies it in hardware)."""
-    dtype = resolve_dtype(dtype, device)
+    dtype = resolve_dtype(dtype, device)[0]
     src = open_store(store)
     layers = store_feature_layers(src)
     if layers is not None and sorted(layers) != sorted(draft.cfg.feature_layers):

@@ -30,7 +30,6 @@ from eyas.core.errors import EyasError
 from eyas.core.files import read_json, write_json
 from eyas.core.log import fmt_int
 from eyas.core.memory import tune_allocator
-from eyas.core.precision import choose_dtype
 from eyas.core.target import Target, load_target
 from eyas.core.threads import Threads
 from eyas.core.weights import load_target_shell, read_module
@@ -106,8 +105,7 @@ def setup(cfg, env, con) -> TrainParts:
     cpu = tune_process(cfg.threads, env)
     threads, threads_why = cpu.n, cpu.why
     torch.manual_seed(cfg.seed)
-    out, dtype = Path(cfg.out), resolve_dtype(cfg.dtype, env.device)
-    why = choose_dtype(cfg.dtype, env.device)[1]
+    out, (dtype, why) = Path(cfg.out), resolve_dtype(cfg.dtype, env.device)
     if why:  # what auto chose and why, or why an explicit bf16 will be slow on this CPU
         con.print(why)
     ckpt = resume_point(cfg, env, con, out)
