@@ -144,3 +144,20 @@ def test_a_checkpoint_of_an_older_eyas_resumes_when_the_new_settings_are_at_thei
         check_resumable(tmp_path, state, {**defaults, "fc_norm": True}, 2, defaults=defaults)
     with pytest.raises(EyasError, match=r"fc_norm: None -> False"):  # without defaults, as before
         check_resumable(tmp_path, state, defaults, 2)
+
+
+def test_cuda_rng_is_this_ranks_gpu_only_and_an_older_every_gpu_state_restores(monkeypatch):
+    """A resume may see other GPUs than the run that saved (8 on one node, then 4 on each of two): each rank saves
+    and restores its own GPU's generator; a state saved by an older eyas (every visible GPU's) gives this rank's."""
+    mine, restored = torch.arange(16, dtype=torch.uint8), []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda *a: mine)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, *a: restored.append((s.tolist(), a)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    state = rng_state()
+    assert state["cuda"] == list(range(16))
+    set_rng_state(json.loads(json.dumps(state)))
+    assert restored == [(list(range(16)), ())]  # the current device: init() set it to cuda:LOCAL_RANK
+    set_rng_state({**state, "cuda": [[0] * 16, [7] * 16]})  # older: GPU 0's state, then GPU 1's
+    set_rng_state({**state, "cuda": [[0] * 16]})  # older, saved where this rank's GPU was not visible: skipped
+    assert restored[1:] == [([7] * 16, ())]

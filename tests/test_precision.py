@@ -33,3 +33,11 @@ def test_this_cpu_is_read_as_torch_reads_it():
     native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     assert precision.native_bf16("cpu") is native
     assert choose_dtype("auto", "cpu")[0] == ("bfloat16" if native else "float32")
+
+
+@pytest.mark.parametrize("capability,native", [((7, 5), False), ((8, 0), True), ((9, 0), True)])
+def test_a_gpu_has_bf16_from_ampere_on_not_where_torch_would_emulate_it(monkeypatch, capability, native):
+    """torch.cuda.is_bf16_supported() says yes on a T4 or V100 (it counts emulation): auto must not pick it there."""
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: asked.append(d) or capability)
+    assert precision.native_bf16("cuda:1") is native and asked == [torch.device("cuda:1")]  # the device asked

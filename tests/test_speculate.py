@@ -21,7 +21,10 @@ from eyas.speculate.drafters import (
     OracleDrafter,
     PromptLookupDrafter,
     TreeShape,
+    chain_yield,
+    join_chains,
     quantize_int8,
+    union_yield,
 )
 from eyas.speculate.runner import HFRunner, LeanRunner, attention_mask, effective_latency, verify_widths
 from tests.speculate_helpers import random_prompts, trained_draft, untrained_draft
@@ -119,15 +122,17 @@ def _drafter(kind, target):
         return OracleDrafter(chain, tree=kind.endswith("tree"), vocab=target.vocab_size)
     if kind == "prompt-lookup":
         return PromptLookupDrafter(chain)
-    if kind.startswith("hybrid"):  # hybrid-adaptive: with a controller of its own, on costs where drafting pays
-        ctl = Controller({1: 1.0, 2: 1.05, 5: 1.2}, kmax=chain) if kind.endswith("adaptive") else None
+    if kind.startswith("hybrid"):  # hybrid-adaptive: with a controller of its own, on costs where drafting pays;
+        # hybrid-both: where verifying more tokens costs nothing, so both chains in one tree pay whenever lookup matches
+        costs = {"adaptive": {1: 1.0, 2: 1.05, 5: 1.2}, "both": {1: 1.0, 16: 1.0}}.get(kind.split("-")[-1])
+        ctl = Controller(costs, kmax=chain) if costs else None
         return HybridDrafter(Eagle3Drafter(trained_draft(target), k=chain), PromptLookupDrafter(chain), controller=ctl)
     draft = trained_draft(target) if kind.startswith("trained") else untrained_draft(target)
     return Eagle3Drafter(draft, k=chain, tree=tree if kind.endswith("tree") else None)
 
 
 KINDS = ["untrained-chain", "untrained-tree", "trained-chain", "trained-tree", "oracle-chain", "oracle-tree",
-         "prompt-lookup", "hybrid", "hybrid-adaptive"]
+         "prompt-lookup", "hybrid", "hybrid-adaptive", "hybrid-both"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -146,6 +151,8 @@ def test_greedy_speculation_equals_greedy_decoding(tiny_target, refs, kind):
             assert accepted[:-1] == [4] * (len(accepted) - 1) and sum(accepted) + len(accepted) >= NEW - 1
     if kind.startswith("oracle"):
         assert min(taus) >= 4.0  # k + 1 = 5 except the shorter last round (31 tokens in 7 rounds)
+    if kind == "hybrid-both":  # rounds that verified the draft's chain and lookup's match as one tree
+        assert drafter.used["both"] > 0, drafter.used
     if kind.startswith("trained") or kind.startswith("hybrid"):
         assert sum(taus[:4]) / 4 > 2.0, taus  # on the prompts it was trained on
 
@@ -196,7 +203,7 @@ def test_a_widened_forward_returns_the_rows_of_the_narrow_one_and_commits_only_t
 
 
 @pytest.mark.parametrize("impl", [LeanRunner, HFRunner])
-@pytest.mark.parametrize("kind", ["trained-chain", "trained-tree", "prompt-lookup", "hybrid"])
+@pytest.mark.parametrize("kind", ["trained-chain", "trained-tree", "prompt-lookup", "hybrid", "hybrid-both"])
 def test_greedy_speculation_with_widened_verification_equals_greedy_decoding(tiny_target, refs, kind, impl):
     runner = impl(tiny_target, tiny_target.default_feature_layers())
     runner.widths = {q: q + 3 for q in range(2, 16)}  # every verification widened (tree paths gathered after it)
@@ -322,6 +329,13 @@ def _first_token_law(p, q_or_children, n, seed):
             kids = q_or_children
             path, bonus = verify_sampling(p, kids, [-1] * len(kids), None, g)
             first = kids[path[0] - 1] if path else bonus
+        elif isinstance(q_or_children, tuple):  # the hybrid's tree: a child drawn from q, prompt lookup's beside it
+            q, lookup = q_or_children
+            x = int(torch.multinomial(q, 1, generator=g))
+            prop = join_chains(Proposal.chain([x], q[None]), lookup)  # one node where x is lookup's token
+            tokens = prop.tokens.tolist()
+            path, bonus = verify_sampling(p[: len(tokens) + 1], tokens, prop.parents.tolist(), prop.q, g)
+            first = tokens[path[0] - 1] if path else bonus
         else:  # one child drawn from q (chain)
             x = int(torch.multinomial(q_or_children, 1, generator=g))
             path, bonus = verify_sampling(p, [x], [-1], q_or_children[None], g)
@@ -330,13 +344,36 @@ def _first_token_law(p, q_or_children, n, seed):
     return counts / n
 
 
-@pytest.mark.parametrize("case", ["chain", "tree"])
+def test_join_chains_shares_the_common_prefix_and_keeps_each_tokens_law():
+    q = torch.softmax(torch.randn(3, 12, generator=torch.Generator().manual_seed(0)), -1)
+    chain = Proposal.chain([5, 6, 7], q)
+    both = join_chains(chain, [5, 6, 9, 10])  # agrees on 5 6, then branches under 6
+    assert both.tokens.tolist() == [5, 6, 7, 9, 10] and both.parents.tolist() == [-1, 0, 1, 1, 3]
+    assert torch.equal(both.q[:3], q) and both.q[3].tolist() == [float(i == 9) for i in range(12)]
+    assert both.q[4].argmax() == 10 and both.q[4].sum() == 1  # point masses: one-hot rows
+    assert join_chains(chain, [8]).parents.tolist() == [-1, 0, 1, -1]  # disagrees at once: a second root child
+    assert join_chains(chain, [5, 6]) is chain  # a prefix of the chain adds nothing
+    assert join_chains(Proposal.chain([5, 6]), [5, 8]).q is None  # greedy: no laws
+    path, bonus = verify_greedy([5, 6, 9, 0, 10, 11], *(x.tolist() for x in (both.tokens, both.parents)))
+    assert [both.tokens[j - 1].item() for j in path] == [5, 6, 9, 10] and bonus == 11  # the lookup branch won
+
+
+def test_union_yield_of_one_chain_is_its_chain_yield_and_of_two_reaches_the_likelier_depth():
+    assert union_yield([((3.0, 1.0), 4)]) == pytest.approx(chain_yield(3.0, 1.0, 4))
+    # alphas 0.5 (k=2) and 0.8 (m=1): reach 1 w.p. 1 - 0.5 * 0.2 = 0.9, reach 2 w.p. 0.25
+    assert union_yield([((1.0, 1.0), 2), ((4.0, 1.0), 1)]) == pytest.approx(1 + 0.9 + 0.25)
+    both = union_yield([((1.0, 1.0), 3), ((1.0, 1.0), 3)])
+    assert chain_yield(1.0, 1.0, 3) < both < 2 * chain_yield(1.0, 1.0, 3) - 1
+
+
+@pytest.mark.parametrize("case", ["chain", "tree", "chain+lookup"])
 def test_speculative_sampling_keeps_the_target_distribution(case):
     p0 = torch.tensor([0.40, 0.25, 0.20, 0.10, 0.05])
     q0 = torch.tensor([0.05, 0.10, 0.15, 0.30, 0.40])  # a poor draft: mass where the target has little
     p = torch.stack([p0, torch.full((5,), 0.2), torch.full((5,), 0.2), torch.full((5,), 0.2)])  # rows after each node
     n = 20000
-    law = _first_token_law(p, q0 if case == "chain" else [4, 0, 3], n, seed=3)
+    drafts = {"chain": q0, "tree": [4, 0, 3], "chain+lookup": (q0, [3, 2])}  # lookup's 3 is often drafted too
+    law = _first_token_law(p, drafts[case], n, seed=3)
     bound = 5 * torch.sqrt(p0 * (1 - p0) / n)  # 5 sigma per token
     assert ((law - p0).abs() < bound).all(), (law, p0)
     # and the draft's own law would have failed the same bound
@@ -447,7 +484,7 @@ def test_an_adaptive_hybrid_tries_free_prompt_lookup_where_the_draft_does_not_pa
     with torch.inference_mode():
         got = hybrid.propose(seq, 0.0, None, None)
     assert got.tokens.tolist() == lookup.propose(seq, 0.0, None, None).tokens.tolist() != []
-    assert hybrid.forward_calls == calls and hybrid.used == {"eagle3": 0, "prompt-lookup": 1}
+    assert hybrid.forward_calls == calls and hybrid.used == {"eagle3": 0, "prompt-lookup": 1, "both": 0}
     hybrid.update(seq + got.tokens.tolist() + [5], None)  # all 4 accepted, then the target's token
     assert (ctl.A, ctl.R) == state  # prompt lookup's round taught the draft's controller nothing
     assert hybrid.stats["prompt-lookup/3"] == [0.9 * 30 + 4, 0.9 * 1]

@@ -46,15 +46,26 @@ def read_env() -> DistEnv:
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    guess = f"cuda:{local}" if torch.cuda.is_available() and local < torch.cuda.device_count() else "cpu"
     return DistEnv(rank=rank, world_size=world, local_rank=local, local_world_size=local_world,
-                   device=pick_device("auto", local))
+                   device=guess)  # init() decides, and says so when a rank has no GPU
 
 
 def pick_device(preference: str = "auto", local_rank: int = 0) -> str:
-    """'auto' -> cuda:<local_rank> when CUDA is available, else cpu."""
-    if preference != "auto":
-        return preference
-    return f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    """'auto' -> cuda:<local_rank> when CUDA is available, else cpu; 'cuda' -> cuda:<local_rank> (one GPU per rank
+    of this node); cpu or cuda:N as given. A rank without a GPU of its own is an error, not a crash in CUDA."""
+    if preference == "auto":
+        preference = "cuda" if torch.cuda.is_available() else "cpu"
+    if preference == "cuda":
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise EyasError(f"local rank {local_rank} has no GPU of its own",
+                            f"this node shows {count} GPU(s) (CUDA_VISIBLE_DEVICES="
+                            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}) and each rank takes cuda:LOCAL_RANK",
+                            f"start at most {count} rank(s) per node (torchrun --nproc_per_node {max(count, 1)}, "
+                            "nproc in a pipeline file), or pass --device cpu")
+        return f"cuda:{local_rank}"
+    return preference
 
 
 def init(device: str = "auto", timeout_s: float = 600.0) -> DistEnv:

@@ -132,8 +132,8 @@ class BatchGenerator:
         stop = torch.tensor(sorted(stops), device=dev)
         for step in range(max_new):
             tok = self._pick(logits, temperature, top_p, generator)  # [B]
-            for b, t in enumerate(tok.tolist()):
-                if not done[b]:
+            for b, (t, finished) in enumerate(zip(tok.tolist(), done.tolist())):  # one read of each a step
+                if not finished:
                     out[b].append(t)
             done |= torch.isin(tok, stop)
             if bool(done.all()) or step + 1 == max_new:

@@ -19,8 +19,9 @@ SHORT = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
 
 def native_bf16(device: str) -> bool:
     """Does `device` multiply bfloat16 in hardware?"""
-    if str(device).startswith("cuda"):
-        return torch.cuda.is_bf16_supported()
+    if str(device).startswith("cuda"):  # Ampere (compute capability 8) on; older GPUs emulate it (and
+        # torch.cuda.is_bf16_supported says yes to emulation). The capability is read without making a tensor
+        return torch.cuda.get_device_capability(torch.device(device))[0] >= 8
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # a torch built without oneDNN

@@ -122,8 +122,8 @@ def rng_state() -> dict:
     out = {"torch": torch.get_rng_state().tolist(),
            "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
            "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]]}
-    if torch.cuda.is_available():
-        out["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    if torch.cuda.is_available():  # this rank's GPU only (the current device): a resume may see other GPUs
+        out["cuda"] = torch.cuda.get_rng_state().tolist()
     return out
 
 
@@ -133,8 +133,13 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
     p = state["python"]
     random.setstate((p[0], tuple(p[1]), p[2]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+    saved = state.get("cuda")
+    if saved and torch.cuda.is_available():
+        if isinstance(saved[0], list):  # written by an older eyas: every visible GPU's state, this rank's among them
+            here = torch.cuda.current_device()
+            saved = saved[here] if here < len(saved) else None
+        if saved is not None:
+            torch.cuda.set_rng_state(torch.tensor(saved, dtype=torch.uint8))
 
 
 # -- folders --------------------------------------------------------------------------------------------------------

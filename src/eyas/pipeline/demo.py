@@ -40,7 +40,8 @@ class DemoConfig(StageConfig):
     target: str = opt("", "the target (default: tiny with --quick, else smollm2-135m); e.g. tiny-deepseek-v3")
     samples: int = opt(0, "training conversations (0: 320, or 48 with --quick)")
     eval_prompts: int = opt(0, "MT-Bench questions evaluated (0: 6, or 4 with --quick)")
-    nproc: int = opt(2, "extraction and training processes under torchrun (on a CPU, one per core: docs/threads.md)")
+    nproc: int = opt(2, "extraction and training processes under torchrun (on a CPU, one per core: docs/threads.md; "
+                        "on GPUs at most one per GPU)")
     parallel: str = opt("ddp", "training's data parallelism: ddp, or fsdp (FSDP2)", choices=("ddp", "fsdp"))
     force: bool = opt(False, "rerun every stage even when it finished before with the same settings")
 
@@ -57,6 +58,13 @@ class RunConfig(StageConfig):
     force: bool = opt(False, "rerun every stage even when it finished before with the same settings")
 
 
+def gpu_ranks(nproc: int) -> int:
+    """The demo's ranks: --nproc, but at most one per GPU where CUDA is (each rank takes cuda:LOCAL_RANK)."""
+    import torch
+
+    return min(nproc, torch.cuda.device_count()) if torch.cuda.is_available() else nproc
+
+
 def demo_stages(cfg: DemoConfig, run: Path) -> list[Stage]:
     """The demo: regenerate answers, prepare, extract and train on 2 ranks, evaluate, export, report."""
     quick = cfg.quick
@@ -66,6 +74,7 @@ def demo_stages(cfg: DemoConfig, run: Path) -> list[Stage]:
     # generation is bound by per-step overhead on a CPU, so a wide batch costs little more per step than a narrow one
     regen = dict(target=target, dtype="auto", max_new_tokens=48 if quick else 160, batch_size=32, quiet=cfg.quiet)
     r = str(run)
+    ranks = gpu_ranks(cfg.nproc)
     return [
         Stage("regenerate-gsm8k", "regenerate", dict(regen, data=("gsm8k-train",), max_samples=n - n_chat,
                                                       out=f"{r}/regenerated/gsm8k.jsonl")),
@@ -76,12 +85,12 @@ def demo_stages(cfg: DemoConfig, run: Path) -> list[Stage]:
                                                               f"{r}/regenerated/chitchat.jsonl"),
                                          out=f"{r}/prepared", max_length=1024, overwrite=True, quiet=cfg.quiet)),
         Stage("extract", "extract", dict(target=target, data=f"{r}/prepared", store=f"{r}/store", quiet=cfg.quiet),
-              nproc=cfg.nproc),
+              nproc=ranks),
         Stage("train", "train", dict(target=target, store=f"{r}/store", out=f"{r}/train", epochs=2 if quick else 3,
                                      ttt_steps=3, lr=1e-3, micro_batch=1, max_tokens=1024,
                                      draft_vocab=2048 if quick else 8192, checkpoint_every=50, resume=True,
                                      parallel=cfg.parallel, quiet=cfg.quiet),
-              nproc=cfg.nproc, fresh=(f"{r}/train",)),
+              nproc=ranks, fresh=(f"{r}/train",)),
         Stage("evaluate", "evaluate", dict(target=target, draft=f"{r}/train/final", bench="mt_bench",
                                            out=f"{r}/evaluate", num_prompts=cfg.eval_prompts or (4 if quick else 6),
                                            max_new_tokens=48 if quick else 64, chain=(3, 5) if quick else (3, 5, 7),

@@ -258,36 +258,83 @@ def decayed_counts(counts: tuple[float, float], accepted: int, depth: int, decay
     return decay * counts[0] + accepted, decay * counts[1] + (1 if accepted < depth else 0)
 
 
-class HybridDrafter(Drafter):
-    """An EAGLE-3 chain and prompt lookup in one decoder. Each round it verifies one option, the one expected to
-    make the most tokens per second:
+def union_yield(chains: list[tuple[tuple[float, float], int]]) -> float:
+    """Expected tokens (bonus included) of a tree holding several chains under one root, chain c of k_c tokens
+    accepted position by position with probability alpha_c, the chains taken as independent: a round reaches
+    depth i unless every chain stops before it, P(reach i) = 1 - prod_c (1 - alpha_c^i) over chains with k_c >= i.
+    With one chain this is chain_yield."""
+    alphas = [(a / (a + r), k) for (a, r), k in chains]
+    return 1.0 + sum(1.0 - math.prod(1.0 - al ** i for al, k in alphas if k >= i)
+                     for i in range(1, max((k for _, k in alphas), default=0) + 1))
 
-        option                          expected tokens E              cost
-        plain decoding                  1                              t(1)
-        prompt lookup's m tokens        sum_{i=0..m} a_n^i             t(m+1)              (no model runs)
-        the draft's chain of k tokens   sum_{i=0..k} a_e^i             t(k+1) + k t_step
+
+def join_chains(chain: Proposal, other: list[int]) -> Proposal:
+    """One tree of the draft's chain and another chain of tokens (prompt lookup's match): the common prefix once,
+    then the other chain's rest as a branch under it (after the draft's own child, so at temperature 0 nothing
+    changes where they agree). Sampled draft tokens keep their law q; the other chain's tokens are point masses,
+    which in eyas.speculate.decode.verify_sampling is a one-hot row of q. Verification stays lossless: each node's
+    children are tried one after the other, each step leaving the target's law for what follows."""
+    mine = chain.tokens.tolist()
+    s = 0
+    while s < min(len(mine), len(other)) and mine[s] == other[s]:
+        s += 1
+    rest = other[s:]
+    if not rest:
+        return chain
+    k = len(mine)
+    tokens = torch.tensor(mine + rest, dtype=torch.long)
+    parents = torch.cat((chain.parents.cpu(), torch.tensor([s - 1] + list(range(k, k + len(rest) - 1)))))
+    q = chain.q
+    if q is not None:
+        point = torch.zeros(len(rest), q.shape[1], device=q.device, dtype=q.dtype)
+        q = torch.cat((q, point.scatter_(1, torch.tensor(rest, device=q.device)[:, None], 1.0)))
+    return Proposal(tokens, parents, q)
+
+
+def matched(proposed: list[int], made: list[int]) -> int:
+    """How many of a chain's tokens a round would have kept had it verified that chain alone: its common prefix
+    with what the round made (accepted tokens and the target's own; at temperature 0 exactly so)."""
+    n = 0
+    while n < min(len(proposed), len(made)) and proposed[n] == made[n]:
+        n += 1
+    return n
+
+
+class HybridDrafter(Drafter):
+    """An EAGLE-3 chain and prompt lookup in one decoder. Each round it verifies the option expected to make the
+    most tokens per second:
+
+        option                          expected tokens E                          cost
+        plain decoding                  1                                          t(1)
+        prompt lookup's m tokens        sum_{i=0..m} a_n^i                         t(m+1)              (no model runs)
+        the draft's chain of k tokens   sum_{i=0..k} a_e^i                         t(k+1) + k t_step
+        both, as two branches of a tree 1 + sum_i [1 - (1 - a_e^i)(1 - a_n^i)]     t(k+m+1) + k t_step
 
     a_n is prompt lookup's acceptance rate after a match of the last n tokens (a 3-token match predicts the next
     tokens better than a 1-token one), a_e the draft's: accepted / (accepted + rejections) over the rounds that
-    option was verified, decayed by `decay` per such round, from a prior of one each. With a `controller` (eyas
-    evaluate's adaptive mode) the chain's k, or plain decoding where the draft does not pay, is the controller's
-    choice, the costs are its measured latencies, and it learns from the draft's rounds only; prompt lookup, free
-    to make, is still tried wherever its expected tokens pay for its longer verification. Without one every round
-    drafts the full chain or prompt lookup's match, whichever has the larger E (ties to the draft).
-    A round that uses prompt lookup leaves the draft's features pending and the next EAGLE-3 round catches up on
-    them. Either way the round verifies one drafter's proposal with its own q, so decoding stays lossless."""
+    option was verified, decayed by `decay` per such round, from a prior of one each. "Both" (`union`) verifies the
+    draft's chain and prompt lookup's match in one forward, their common prefix once (join_chains); it needs
+    measured costs, so only an adaptive hybrid weighs it. With a `controller` (eyas evaluate's adaptive mode) the
+    chain's k, or plain decoding where the draft does not pay, is the controller's choice, the costs are its
+    measured latencies, and it learns from the draft's rounds only; prompt lookup, free to make, is still tried
+    wherever its expected tokens pay for its longer verification. Without one every round drafts the full chain
+    or prompt lookup's match, whichever has the larger E (ties to the draft).
+    After a round each chain it verified is credited with its common prefix with what the round made, the tokens
+    it would have kept alone. A round without the draft leaves the draft's features pending and the next EAGLE-3
+    round catches up on them. Each proposal keeps each token's own law, so decoding stays lossless."""
 
     name = "hybrid"
 
     def __init__(self, eagle: "Eagle3Drafter", lookup: PromptLookupDrafter, decay: float = 0.9,
-                 controller: "Controller | None" = None):
+                 controller: "Controller | None" = None, union: bool = True):
         self.k = max(eagle.k, lookup.k)  # no Drafter.__init__: the time and calls are the draft model's own
         self.eagle, self.lookup, self.decay, self.controller = eagle, lookup, decay, controller
+        self.union = union and controller is not None
         # [accepted, rejections], decayed: the draft's, and prompt lookup's after a match of n tokens
         self.stats = {"eagle3": [1.0, 1.0], **{lookup_key(n): [1.0, 1.0] for n in range(1, lookup.ngram + 1)}}
-        self.used = {"eagle3": 0, "prompt-lookup": 0}  # rounds each drafter's proposal was verified
-        self.last: tuple[str, int, int, float] | None = None  # the open round: (stats key, tokens proposed,
-        # len(seq), the draft's seconds on it)
+        self.used = {"eagle3": 0, "prompt-lookup": 0, **({"both": 0} if self.union else {})}  # rounds of each
+        # the open round: (len(seq) before it, the draft's seconds on it, [(stats key, the chain it verified)])
+        self.last: tuple[int, float, list[tuple[str, list[int]]]] | None = None
 
     @property
     def forward_time(self) -> float:
@@ -307,16 +354,19 @@ class HybridDrafter(Drafter):
     def update(self, seq, feats) -> None:
         self.eagle.update(seq, feats)
         if self.last is not None:
-            which, k, before, draft_s = self.last
-            accepted = len(seq) - before - 1  # the round added the accepted tokens and one of the target's
-            self.stats[which] = list(decayed_counts(self.stats[which], accepted, k, self.decay))
-            if which == "eagle3" and self.controller is not None:
-                self.controller.observe(Round(k, k, accepted, 0.0, 0.0, draft_s))
+            before, draft_s, chains = self.last
+            made = seq[before:]  # the accepted tokens and the target's own
+            for which, chain in chains:
+                kept = matched(chain, made)
+                self.stats[which] = list(decayed_counts(self.stats[which], kept, len(chain), self.decay))
+                if which == "eagle3" and self.controller is not None:
+                    self.controller.observe(Round(len(chain), len(chain), kept, 0.0, 0.0, draft_s))
             self.last = None
 
     def options(self, k: int, found: list[int], n: int) -> list[tuple[str, int, float, float]]:
-        """(option, tokens, expected tokens, cost) of this round: the draft's chain of k (plain decoding for k = 0)
-        and prompt lookup's match of n tokens, if any. Without a controller every cost is 1."""
+        """(option, draft tokens, expected tokens, cost) of this round: the draft's chain of k (plain decoding for
+        k = 0), prompt lookup's match of n tokens if any, and both (an adaptive hybrid). Without a controller every
+        cost is 1."""
         ctl = self.controller
 
         def cost(tokens: int, steps: int) -> float:
@@ -324,7 +374,11 @@ class HybridDrafter(Drafter):
 
         opts = [("eagle3", k, self.expected("eagle3", k), cost(k, k)) if k else ("plain", 0, 1.0, cost(0, 0))]
         if found:
-            opts.append((lookup_key(n), len(found), self.expected(lookup_key(n), len(found)), cost(len(found), 0)))
+            key, m = lookup_key(n), len(found)
+            opts.append((key, 0, self.expected(key, m), cost(m, 0)))
+            if k and self.union:
+                both = union_yield([(self.stats["eagle3"], k), (self.stats[key], m)])
+                opts.append(("both", k, both, cost(k + m, k)))
         return opts
 
     def propose(self, seq, temperature, gen, budget) -> Proposal:
@@ -332,13 +386,19 @@ class HybridDrafter(Drafter):
         if self.controller is not None:
             k = min(k, self.controller.choose())  # 0: plain decoding, unless prompt lookup pays
         found, n = self.lookup.match(seq, self.lookup.k if budget is None else min(budget, self.lookup.k))
-        which, size, _, _ = max(self.options(k, found, n), key=lambda o: o[2] / o[3])  # the first of equals
+        which, k, _, _ = max(self.options(k, found, n), key=lambda o: o[2] / o[3])  # the first of equals
         if which == "plain":
             return Proposal.empty()
         t0 = self.eagle.forward_time
-        prop = Proposal.chain(found) if which != "eagle3" else self.eagle.propose(seq, temperature, gen, size)
-        self.used["eagle3" if which == "eagle3" else "prompt-lookup"] += 1
-        self.last = (which, len(prop), len(seq), self.eagle.forward_time - t0)
+        chains = []
+        if k:  # the draft's chain, alone or with prompt lookup's match
+            prop = self.eagle.propose(seq, temperature, gen, k)
+            chains.append(("eagle3", prop.tokens.tolist()))
+        if which != "eagle3":  # prompt lookup's match, alone or beside the chain
+            prop = join_chains(prop, found) if k else Proposal.chain(found)
+            chains.append((lookup_key(n), found))
+        self.used[which if which in ("eagle3", "both") else "prompt-lookup"] += 1
+        self.last = (len(seq), self.eagle.forward_time - t0, chains)
         return prop
 
 

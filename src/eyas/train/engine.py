@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -55,9 +56,8 @@ def wrap(objective: TTTObjective, parallel: str, env) -> nn.Module:
     """Apply data parallelism from outside: DDP, or FSDP2 fully_shard; the plain module on one process."""
     if not env.distributed:
         return objective
-    if parallel == "fsdp":
-
-        fully_shard(objective)
+    if parallel == "fsdp":  # on the chosen device's mesh: left to itself FSDP takes CUDA whenever a GPU exists
+        fully_shard(objective, mesh=init_device_mesh(torch.device(env.device).type, (env.world_size,)))
         return objective
 
     ids = [torch.device(env.device).index] if env.device.startswith("cuda") else None

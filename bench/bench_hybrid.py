@@ -1,0 +1,57 @@
+"""The hybrid drafter with and without its "both" option, side by side on a real target and draft: per round
+either the draft's chain or prompt lookup's match ("one"), against the same plus both as two branches of one tree
+verified in one forward ("both"; eyas.speculate.drafters.HybridDrafter, join_chains). Both sides are adaptive (the
+option is priced with measured latencies), verify in the same widths as `eyas evaluate`, and run alternated
+prompt by prompt on one runner; outputs are compared token for token.
+
+    python bench/bench_hybrid.py --draft runs/smollm2-recipe/train/final --bench mt_bench --per-category 2
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+from bench_widen import common_args, load, side_by_side
+
+
+def main() -> None:
+    ap = common_args(bench="mt_bench")
+    ap.add_argument("--prompts", type=int, default=0, help="the first N prompts (0: every one the bench selects)")
+    ap.add_argument("--per-category", type=int, default=0, help="MT-Bench: the first N questions of each category")
+    ap.add_argument("--chain", type=int, default=7, help="the draft's longest chain")
+    ap.add_argument("--lookup", type=int, default=7, help="prompt lookup's longest match")
+    a = ap.parse_args()
+
+    from eyas.speculate.drafters import Controller, Eagle3Drafter, HybridDrafter, PromptLookupDrafter
+    from eyas.speculate.evaluate import Method, load_bench
+    from eyas.speculate.runner import effective_latency
+
+    target, draft, runner, dtype, latency, widths = load(a, sorted(set(range(1, a.chain + a.lookup + 2)) | {24, 32}))
+    cost = effective_latency(latency, widths)
+    print(f"{target.name} {dtype}, {torch.get_num_threads()} threads, runner {type(runner).__name__}")
+    print("t(q) ms:   " + "  ".join(f"{q}:{1e3 * t:.1f}" for q, t in latency.items()))
+    print("widths:    " + ("  ".join(f"{q}->{w}" for q, w in widths.items()) or "none"))
+
+    def hybrid(union: bool) -> Method:
+        own = Controller(cost, a.chain)
+        drafter = HybridDrafter(Eagle3Drafter(draft, k=a.chain), PromptLookupDrafter(a.lookup), controller=own,
+                                union=union)
+        return Method("hybrid", drafter, own, "chain", a.chain, "hybrid")
+
+    sides = {"one": (widths, [hybrid(False)]), "both": (widths, [hybrid(True)])}
+    items = load_bench(a.bench, a.prompts, a.per_category)
+    rows, plain_tps = side_by_side(target, runner, sides, items, a.new)
+    used = {s: dict(m.drafter.used) for s, (_, ms) in sides.items() for m in ms}
+    print("rounds by option: " + "; ".join(f"{s}: {u}" for s, u in used.items()))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"latency_ms": {q: 1e3 * t for q, t in latency.items()}, "widths": widths,
+                       "plain_tokens_per_s": plain_tps, "methods": rows, "rounds_by_option": used,
+                       "threads": torch.get_num_threads(), "dtype": dtype, "bench": a.bench, "prompts": len(items),
+                       "when": time.strftime("%Y-%m-%d %H:%M")}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

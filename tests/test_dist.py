@@ -1,0 +1,45 @@
+"""eyas.core.dist's device choice, as a GPU machine would see it (CUDA faked: this suite runs on CPUs)."""
+
+import pytest
+import torch
+
+from eyas.core import dist
+from eyas.core.errors import EyasError
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    def visible(n):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+    return visible
+
+
+def test_each_rank_takes_its_own_gpu_and_cuda_means_this_ranks(gpus):
+    gpus(2)
+    assert [dist.pick_device("auto", r) for r in (0, 1)] == ["cuda:0", "cuda:1"]
+    assert [dist.pick_device("cuda", r) for r in (0, 1)] == ["cuda:0", "cuda:1"]  # set_device needs an index
+    assert dist.pick_device("cuda:1", 0) == "cuda:1" and dist.pick_device("cpu", 5) == "cpu"  # as given
+    gpus(0)
+    assert dist.pick_device("auto", 3) == "cpu"
+
+
+def test_a_rank_without_a_gpu_is_told_what_to_change(gpus, monkeypatch):
+    gpus(1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(EyasError, match=r"local rank 1 has no GPU of its own") as e:
+        dist.pick_device("auto", 1)
+    assert "1 GPU(s)" in str(e.value) and "--nproc_per_node 1" in str(e.value)
+    assert dist.read_env().device == "cpu"  # reading the environment decides nothing and never raises
+
+
+def test_the_demo_runs_at_most_one_rank_per_gpu(gpus):
+    from eyas.pipeline.demo import gpu_ranks
+
+    gpus(1)
+    assert gpu_ranks(2) == 1
+    gpus(8)
+    assert gpu_ranks(2) == 2
+    gpus(0)
+    assert gpu_ranks(2) == 2  # a CPU: one rank per core, as asked
