@@ -186,3 +186,14 @@ def test_the_fp32_copy_goes_to_the_cpu_when_the_gpu_has_no_room(monkeypatch):
     assert lossless.fp32_device(gpu, 7 * 2**30) == gpu  # fits, with a quarter to spare
     assert lossless.fp32_device(gpu, 9 * 2**30) == torch.device("cpu")  # fits, but leaves no room to run
     assert lossless.fp32_device(torch.device("cpu"), 2**40) == torch.device("cpu")
+
+
+def test_the_fp32_copy_asks_room_for_a_replay_runners_fused_weights(monkeypatch):
+    """The lean replay runner fuses copies of about 60% of the weights: on a GPU the copy must leave room for them,
+    or the replay runs out of memory and the check reports it could not tell."""
+    asked = []
+    monkeypatch.setattr(lossless, "fp32_device", lambda device, need: asked.append(need) or device)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 2)).to(torch.bfloat16)  # 132 floats
+    lossless.fp32_copy(model)
+    lossless.fp32_copy(model, 0.6)
+    assert asked == [132 * 4, int(132 * 4 * 1.6)]

@@ -46,7 +46,7 @@ from eyas.speculate.drafters import (
     TreeShape,
     quantize_int8,
 )
-from eyas.speculate.runner import effective_latency, make_runner, measure_latency, verify_widths
+from eyas.speculate.runner import effective_latency, make_runner, measure_latency, sync, verify_widths
 
 REPORT_QS = (1, 4, 8, 16, 32)
 
@@ -257,6 +257,7 @@ def hf_generate(target, prompt: list[int], max_new: int, temperature: float, sto
 
     class Stamp(LogitsProcessor):
         def __call__(self, input_ids, scores):
+            sync(scores.device)  # a GPU's step is done when its logits are, not when Python gets here
             stamps.append(time.perf_counter())
             return scores
 

@@ -76,8 +76,10 @@ def rescore(target, records, runner=None) -> None:
     bad = [r for r in records if r.get("divergence") is not None]
     if not bad:
         return
-    model = target.model if target.dtype == torch.float32 else fp32_copy(target.model)
     replays = runner is not None and target.dtype != torch.float32
+    # a replay's lean runner adds its fused copies of the weights (eyas.speculate.runner: about 60% of them)
+    fused = 0.6 if replays and isinstance(runner, LeanRunner) else 0.0
+    model = target.model if target.dtype == torch.float32 else fp32_copy(target.model, fused)
     runner32 = None
     try:
         for r in bad:
@@ -102,11 +104,13 @@ def rescore(target, records, runner=None) -> None:
             close()
 
 
-def fp32_copy(model: torch.nn.Module) -> torch.nn.Module:
+def fp32_copy(model: torch.nn.Module, more: float = 0.0) -> torch.nn.Module:
     """`model` in float32, made tensor by tensor (never a second copy in the run's dtype first, and tied weights
-    stay tied), on the model's device where it fits (`fp32_device`), else on the CPU."""
+    stay tied), on the model's device where it fits with `more` of its size beside it (a replay runner's fused
+    weights), else on the CPU (`fp32_device`)."""
     tensors = [*model.parameters(), *model.buffers()]
-    dev = fp32_device(tensors[0].device, sum(t.numel() for t in tensors if t.is_floating_point()) * 4)
+    need = sum(t.numel() for t in tensors if t.is_floating_point()) * 4
+    dev = fp32_device(tensors[0].device, int(need * (1 + more)))
 
     def fp32(t: torch.Tensor) -> torch.Tensor:
         return t.detach().to(dev, torch.float32 if t.is_floating_point() else t.dtype, copy=True)

@@ -91,15 +91,18 @@ def _attend(q, k, v, mask) -> torch.Tensor:  # mask: [1,1,rep*T,S], already repe
     - softmax and the weighted sum of values in float64: masked keys add exact zeros, and a different row length or
       order of summation changes the float64 result by ~1e-16, never the rounding to the model dtype.
     The rep query heads sharing a kv head are laid out as rep*T rows of that head (HF's repeat_kv maps head h to
-    kv head h // rep), so k and v are never copied per head."""
+    kv head h // rep), so k and v are never copied per head.
+    On a GPU the softmax and the sum run in float32 instead: GPU matmuls promise no row invariance to keep, and
+    float64 runs at 1/2 to 1/64 of float32's rate there (the lossless check's fp32 replay settles near-ties)."""
     _, nh, T, d = q.shape
     nkv = k.shape[1]
     rep = nh // nkv
+    acc = torch.float64 if q.device.type == "cpu" else torch.float32
     qg = q.reshape(1, nkv, rep * T, d)  # row r*T + t = head g*rep + r, token t
-    scores = torch.matmul(qg, k.transpose(-1, -2)).double() * d ** -0.5  # [1,nkv,rep*T,S]
+    scores = torch.matmul(qg, k.transpose(-1, -2)).to(acc) * d ** -0.5  # [1,nkv,rep*T,S]
     if mask is not None:
         scores = scores.masked_fill(mask, float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), v.double())  # [1,nkv,rep*T,d]
+    out = torch.matmul(torch.softmax(scores, dim=-1), v.to(acc))  # [1,nkv,rep*T,d]
     return out.to(q.dtype).reshape(1, nh, T, d)
 
 
