@@ -27,10 +27,9 @@ import dataclasses
 import time
 from pathlib import Path
 
-from eyas.core.config import StageConfig, changed_settings, check, opt
+from eyas.core.config import StageConfig, check, opt
 from eyas.core.dist import pick_device
 from eyas.core.errors import EyasError, Incomplete
-from eyas.core.files import read_json, write_json
 from eyas.core.log import console, fmt_duration, fmt_int
 from eyas.core.precision import choose_dtype
 from eyas.core.target import DEFAULT_TARGET
@@ -42,7 +41,7 @@ from eyas.data.formats import (
     resolve_data,
 )
 from eyas.data.local import LocalBackend, answer_here
-from eyas.data.replies import LEFT_OUT, TOO_LONG, Sink, read_done
+from eyas.data.replies import LEFT_OUT, TOO_LONG, Sink, keep_settings, read_done, settings_file
 from eyas.data.server import SERVER_CONCURRENCY, ServerBackend, run_server
 from eyas.data.workers import Workers, plan_workers
 
@@ -195,10 +194,6 @@ def generation_settings(cfg: RegenerateConfig, model: str) -> dict:
     return s
 
 
-def settings_file(out: Path) -> Path:
-    return out.with_name(out.name + ".settings.json")
-
-
 def start_anew(out: Path) -> None:
     """--overwrite: remove the output and its settings, once `out` is known to be regenerate's own output."""
     if out.is_file():
@@ -210,21 +205,7 @@ def start_anew(out: Path) -> None:
 def check_settings(cfg: RegenerateConfig, out: Path, model: str, con) -> None:
     """Refuse to add replies to `out` under other generation settings than those it holds (--overwrite starts it
     anew); record the settings of a new output."""
-    mine, side = generation_settings(cfg, model), settings_file(out)
-    has_replies = out.is_file() and out.stat().st_size > 0
-    if side.is_file() and has_replies:
-        before = read_json(side, f"remove {side} and {out} to start anew, or choose another --out")
-        diff = changed_settings(before, mine)
-        if diff:
-            raise EyasError(f"{out} holds replies made under other settings: "
-                            + ", ".join(f"{k} {before.get(k)!r} then, {mine.get(k)!r} now" for k in diff),
-                            "resuming would mix replies generated two ways in one file",
-                            f"rerun with the settings recorded in {side}, choose another --out, or pass --overwrite "
-                            "to generate every reply again")
-    elif has_replies:
-        con.print(f"{out}: written by an older eyas that did not record its generation settings; resuming under "
-                  f"these ({side} now records them)", force=True)
-    write_json(side, mine)
+    keep_settings(out, generation_settings(cfg, model), con, "replies")
 
 
 def _run(cfg: RegenerateConfig, con, out: Path) -> dict:

@@ -12,7 +12,9 @@ import os
 import time
 from pathlib import Path
 
+from eyas.core.config import changed_settings
 from eyas.core.errors import EyasError
+from eyas.core.files import read_json, write_json
 from eyas.data.formats import (
     Conversation,
     Issues,
@@ -176,3 +178,27 @@ def too_long(n: int, cfg, context: str) -> Failed:
     if cfg.max_prompt_tokens and n > cfg.max_prompt_tokens:
         return Failed(LEFT_OUT, f"{n} tokens exceed --max-prompt-tokens {cfg.max_prompt_tokens}")
     return Failed(TOO_LONG, f"{n} tokens + --max-new-tokens {cfg.max_new_tokens} exceed {context}")
+
+
+def settings_file(out: Path) -> Path:
+    return out.with_name(out.name + ".settings.json")
+
+
+def keep_settings(out: Path, mine: dict, con, what: str) -> None:
+    """Refuse to add `what` (replies, prompts) to `out` under other settings than those it was written with
+    (OUT.settings.json; --overwrite starts it anew); record the settings of a new output."""
+    side = settings_file(out)
+    has_lines = out.is_file() and out.stat().st_size > 0
+    if side.is_file() and has_lines:
+        before = read_json(side, f"remove {side} and {out} to start anew, or choose another --out")
+        diff = changed_settings(before, mine)
+        if diff:
+            raise EyasError(f"{out} holds {what} made under other settings: "
+                            + ", ".join(f"{k} {before.get(k)!r} then, {mine.get(k)!r} now" for k in diff),
+                            f"resuming would mix {what} generated two ways in one file",
+                            f"rerun with the settings recorded in {side}, choose another --out, or pass --overwrite "
+                            f"to generate every one again")
+    elif has_lines:
+        con.print(f"{out}: written by an older eyas that did not record its settings; resuming under these "
+                  f"({side} now records them)", force=True)
+    write_json(side, mine)

@@ -14,6 +14,8 @@ from eyas.core.errors import EyasError
 COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "prepare": ("eyas.data.prepare", "PrepareConfig", "run",
                 "chat data -> tokens + assistant-only loss mask"),
+    "prompts": ("eyas.data.prompts", "PromptsConfig", "run",
+                "user prompts written by the target itself (Magpie), for regenerate to answer"),
     "regenerate": ("eyas.data.regenerate", "RegenerateConfig", "run",
                    "replace assistant turns with the target's own answers"),
     "extract": ("eyas.store.extract", "ExtractConfig", "run",
