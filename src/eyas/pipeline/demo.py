@@ -60,7 +60,7 @@ class RunConfig(StageConfig):
 
 def gpu_ranks(nproc: int) -> int:
     """The demo's ranks: --nproc, but at most one per GPU where CUDA is (each rank takes cuda:LOCAL_RANK)."""
-    import torch
+    import torch  # heavy (seconds to import): only the demo asks it, `eyas run` need not load it
 
     return min(nproc, torch.cuda.device_count()) if torch.cuda.is_available() else nproc
 
