@@ -154,3 +154,13 @@ def test_the_start_up_line_shows_what_vllm_is_doing_without_its_prefix(tmp_path)
     log.write_text("Traceback (most recent call last):\n")
     assert last_line(log) == "Traceback (most recent call last):"
     assert last_line(tmp_path / "none.log") == ""
+
+
+def test_a_request_to_the_engine_may_take_its_share_of_a_slow_engine():
+    """128 conversations in flight on an engine making 68 tokens/s in all (vLLM, float32, an AVX2-only CPU) wait
+    ~600 s for 320 tokens each: past the 300 s --timeout, so the recipe's WritingBench stage failed 67 of them."""
+    from eyas.data.engine import ENGINE_FLOOR_TPS, engine_timeout
+
+    assert 320 * 128 / 68 > 300 and engine_timeout(300, 320, 128) == 320 * 128 / ENGINE_FLOOR_TPS > 320 * 128 / 68
+    assert engine_timeout(300, 5, 3) == 300  # a short reply keeps --timeout
+    assert engine_timeout(3000, 320, 128) == 3000  # a longer --timeout stands

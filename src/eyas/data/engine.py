@@ -21,6 +21,16 @@ from eyas.data.replies import Reply, prompt_limit, too_long
 from eyas.data.server import Retryable, ServerBackend, ServerSettings
 
 ENGINE_CONCURRENCY = 128  # conversations in flight by default: the best of 64, 128, 256 measured here
+ENGINE_FLOOR_TPS = 20.0  # tokens/s the engine makes in all, at the least (vLLM's CPU build made 68-77 on an
+# AVX2-only EPYC in float32 with WritingBench's long prompts, 2026-12-03): what a request's time limit allows for
+
+
+def engine_timeout(timeout: float, max_new: int, concurrency: int) -> float:
+    """Seconds one request to an engine eyas started may take: --timeout, or longer where the engine may need it.
+    A request waits its turn among `concurrency` in flight, so at an aggregate ENGINE_FLOOR_TPS a reply of
+    `max_new` tokens takes max_new x concurrency / ENGINE_FLOOR_TPS seconds (320 tokens x 128 in flight: 34 min).
+    A server that died is noticed by its refused connections at once; this bounds only a hung one."""
+    return max(timeout, max_new * concurrency / ENGINE_FLOOR_TPS)
 
 
 class EngineSettings(ServerSettings, Protocol):
@@ -75,6 +85,11 @@ class EngineBackend(ServerBackend):
         self.max_prompt = prompt_limit(self.server.max_model_len, cfg)
         super().__init__(cfg, con, url=self.server.url + "/v1/completions", model=self.server.model,
                          concurrency=cfg.concurrency or ENGINE_CONCURRENCY)
+        self.timeout = engine_timeout(cfg.timeout, cfg.max_new_tokens, self.concurrency)
+        if self.timeout > cfg.timeout:
+            con.print(f"engine: a request may take {self.timeout:.0f} s (--timeout {cfg.timeout:g}): "
+                      f"{cfg.max_new_tokens} new tokens each, {self.concurrency} in flight, at {ENGINE_FLOOR_TPS:g} "
+                      "tokens/s in all at the least")
 
     def ask(self, messages: list[dict]) -> Reply:
         ids = self.renderer.prompt_ids(messages)

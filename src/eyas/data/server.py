@@ -83,6 +83,7 @@ class ServerBackend:
         self.cfg = cfg
         self.url = url or endpoint(cfg.server)
         self._key = api_key(cfg)
+        self.timeout = cfg.timeout  # seconds one request may take (an engine eyas started allows more)
         self.name = model or cfg.model or self._first_model()
         self.concurrency = concurrency or cfg.concurrency or SERVER_CONCURRENCY
         con.print(f"server {self.url}, model {self.name!r}, {self.concurrency} conversations in flight")
@@ -95,7 +96,7 @@ class ServerBackend:
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(url, data=data, headers=headers, method="POST" if data else "GET")
         try:
-            with urllib.request.urlopen(req, timeout=self.cfg.timeout) as resp:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
                 raw = self._body(resp)
         except urllib.error.HTTPError as e:
             text = self._redact(_error_text(e))[:200]
@@ -103,7 +104,7 @@ class ServerBackend:
                 raise Retryable(f"http-{e.code}", text) from None
             raise Failed(f"http-{e.code}", text) from None
         except TimeoutError:  # socket.timeout is an alias
-            raise Retryable("timeout", f"no answer within --timeout {self.cfg.timeout:g} s") from None
+            raise Retryable("timeout", f"no answer within {self.timeout:g} s (--timeout)") from None
         except (urllib.error.URLError, ConnectionError, OSError) as e:
             raise Retryable("connection-error", str(getattr(e, "reason", e))) from None
         except http.client.IncompleteRead as e:
@@ -124,14 +125,14 @@ class ServerBackend:
 
     def _body(self, resp) -> bytes:
         """The whole body, within --timeout in all and at most MAX_ANSWER bytes."""
-        deadline, chunks, size = time.monotonic() + self.cfg.timeout, [], 0
+        deadline, chunks, size = time.monotonic() + self.timeout, [], 0
         while chunk := resp.read1(1 << 16):
             chunks.append(chunk)
             size += len(chunk)
             if size > MAX_ANSWER:
                 raise Retryable("malformed-response", f"an answer of more than {MAX_ANSWER >> 20} MiB")
             if time.monotonic() > deadline:
-                raise Retryable("timeout", f"the answer took longer than --timeout {self.cfg.timeout:g} s")
+                raise Retryable("timeout", f"the answer took longer than {self.timeout:g} s (--timeout)")
         if resp.length:  # bytes its Content-Length promised that never came
             raise Retryable("connection-error", f"the answer was cut short ({size} bytes, {resp.length} missing)")
         return b"".join(chunks)
