@@ -30,9 +30,6 @@ def main() -> None:
 
     target, draft, runner, dtype, latency, widths = load(a, sorted(set(range(1, a.chain + a.lookup + 2)) | {24, 32}))
     cost = effective_latency(latency, widths)
-    print(f"{target.name} {dtype}, {torch.get_num_threads()} threads, runner {type(runner).__name__}")
-    print("t(q) ms:   " + "  ".join(f"{q}:{1e3 * t:.1f}" for q, t in latency.items()))
-    print("widths:    " + ("  ".join(f"{q}->{w}" for q, w in widths.items()) or "none"))
 
     def hybrid(union: bool) -> Method:
         own = Controller(cost, a.chain)

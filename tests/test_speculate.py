@@ -126,7 +126,8 @@ def _drafter(kind, target):
         # hybrid-both: where verifying more tokens costs nothing, so both chains in one tree pay whenever lookup matches
         costs = {"adaptive": {1: 1.0, 2: 1.05, 5: 1.2}, "both": {1: 1.0, 16: 1.0}}.get(kind.split("-")[-1])
         ctl = Controller(costs, kmax=chain) if costs else None
-        return HybridDrafter(Eagle3Drafter(trained_draft(target), k=chain), PromptLookupDrafter(chain), controller=ctl)
+        return HybridDrafter(Eagle3Drafter(trained_draft(target), k=chain), PromptLookupDrafter(chain), controller=ctl,
+                             union=kind.endswith("both"))
     draft = trained_draft(target) if kind.startswith("trained") else untrained_draft(target)
     return Eagle3Drafter(draft, k=chain, tree=tree if kind.endswith("tree") else None)
 
@@ -484,7 +485,7 @@ def test_an_adaptive_hybrid_tries_free_prompt_lookup_where_the_draft_does_not_pa
     with torch.inference_mode():
         got = hybrid.propose(seq, 0.0, None, None)
     assert got.tokens.tolist() == lookup.propose(seq, 0.0, None, None).tokens.tolist() != []
-    assert hybrid.forward_calls == calls and hybrid.used == {"eagle3": 0, "prompt-lookup": 1, "both": 0}
+    assert hybrid.forward_calls == calls and hybrid.used == {"eagle3": 0, "prompt-lookup": 1}
     hybrid.update(seq + got.tokens.tolist() + [5], None)  # all 4 accepted, then the target's token
     assert (ctl.A, ctl.R) == state  # prompt lookup's round taught the draft's controller nothing
     assert hybrid.stats["prompt-lookup/3"] == [0.9 * 30 + 4, 0.9 * 1]

@@ -314,7 +314,8 @@ class HybridDrafter(Drafter):
     tokens better than a 1-token one), a_e the draft's: accepted / (accepted + rejections) over the rounds that
     option was verified, decayed by `decay` per such round, from a prior of one each. "Both" (`union`) verifies the
     draft's chain and prompt lookup's match in one forward, their common prefix once (join_chains); it needs
-    measured costs, so only an adaptive hybrid weighs it. With a `controller` (eyas evaluate's adaptive mode) the
+    measured costs, so only an adaptive hybrid weighs it, and only when asked (`union`: measured side by side it
+    did not pay, docs/evaluate.md). With a `controller` (eyas evaluate's adaptive mode) the
     chain's k, or plain decoding where the draft does not pay, is the controller's choice, the costs are its
     measured latencies, and it learns from the draft's rounds only; prompt lookup, free to make, is still tried
     wherever its expected tokens pay for its longer verification. Without one every round drafts the full chain
@@ -326,7 +327,7 @@ class HybridDrafter(Drafter):
     name = "hybrid"
 
     def __init__(self, eagle: "Eagle3Drafter", lookup: PromptLookupDrafter, decay: float = 0.9,
-                 controller: "Controller | None" = None, union: bool = True):
+                 controller: "Controller | None" = None, union: bool = False):
         self.k = max(eagle.k, lookup.k)  # no Drafter.__init__: the time and calls are the draft model's own
         self.eagle, self.lookup, self.decay, self.controller = eagle, lookup, decay, controller
         self.union = union and controller is not None
