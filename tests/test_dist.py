@@ -43,3 +43,13 @@ def test_the_demo_runs_at_most_one_rank_per_gpu(gpus):
     assert gpu_ranks(2) == 2
     gpus(0)
     assert gpu_ranks(2) == 2  # a CPU: one rank per core, as asked
+
+
+def test_cuda_asked_of_a_machine_without_a_gpu_says_so(gpus):
+    gpus(0)
+    with pytest.raises(EyasError, match="--device cuda, but no CUDA GPU is visible") as e:
+        dist.pick_device("cuda", 0)
+    assert "--device cpu" in str(e.value)
+    assert not dist.on_gpu("auto") and dist.on_gpu("cuda") and dist.on_gpu("cuda:1") and not dist.on_gpu("cpu")
+    gpus(1)
+    assert dist.on_gpu("auto")

@@ -58,6 +58,12 @@ def pick_device(preference: str = "auto", local_rank: int = 0) -> str:
         preference = "cuda" if torch.cuda.is_available() else "cpu"
     if preference == "cuda":
         count = torch.cuda.device_count()
+        if count == 0:
+            raise EyasError("--device cuda, but no CUDA GPU is visible",
+                            f"torch sees none (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}"
+                            f", torch {torch.__version__})",
+                            "pass --device cpu (or auto), or install a CUDA build of torch (README: \"On a GPU "
+                            "machine\")")
         if local_rank >= count:
             raise EyasError(f"local rank {local_rank} has no GPU of its own",
                             f"this node shows {count} GPU(s) (CUDA_VISIBLE_DEVICES="
@@ -66,6 +72,11 @@ def pick_device(preference: str = "auto", local_rank: int = 0) -> str:
                             "nproc in a pipeline file), or pass --device cpu")
         return f"cuda:{local_rank}"
     return preference
+
+
+def on_gpu(preference: str) -> bool:
+    """Does this device choice mean a GPU? (For checking settings: asks no more of the hardware than that.)"""
+    return preference.startswith("cuda") or (preference == "auto" and torch.cuda.is_available())
 
 
 def init(device: str = "auto", timeout_s: float = 600.0) -> DistEnv:

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from eyas.core.config import StageConfig, check, opt
-from eyas.core.dist import pick_device
+from eyas.core.dist import on_gpu, pick_device
 from eyas.core.errors import EyasError, Incomplete
 from eyas.core.log import console, fmt_duration, fmt_int
 from eyas.core.precision import choose_dtype
@@ -104,7 +104,7 @@ class RegenerateConfig(StageConfig):
         check(self.batch_size >= 1, f"--batch-size {self.batch_size} is below 1", "use e.g. 8")
         check(self.threads >= 0, f"--threads {self.threads} is negative", "use 0 for the free cores")
         check(self.workers >= 0, f"--workers {self.workers} is negative", "use 0 for one per core")
-        check(self.workers <= 1 or not pick_device(self.device).startswith("cuda"),
+        check(self.workers <= 1 or not on_gpu(self.device),
               f"--workers {self.workers} on a GPU", "use --workers 1 and a larger --batch-size on a GPU")
         check(self.concurrency >= 0, f"--concurrency {self.concurrency} is negative", "use 0 for the default")
         check(not (self.server and self.engine == "vllm"), "--server and --engine vllm both given",
