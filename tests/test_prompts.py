@@ -98,11 +98,15 @@ def test_other_settings_are_refused_and_overwrite_starts_anew(tmp_path, monkeypa
     run(_cfg(out, num_prompts=1, temperature=0.7, overwrite=True))
     assert len(out.read_text().splitlines()) == 1
     assert json.loads(out.with_name("p.jsonl.settings.json").read_text())["temperature"] == 0.7
-    other = tmp_path / "notes.jsonl"
-    other.write_text('{"text": "mine"}\n')
-    with pytest.raises(EyasError):
-        run(_cfg(other, overwrite=True))  # --overwrite never deletes a file eyas did not write
-    assert other.read_text() == '{"text": "mine"}\n'
+    # --overwrite never deletes a file eyas prompts did not write: another stage's output, a data set, a JSON file
+    for name, text in [("replies.jsonl", '{"id": "q0", "messages": []}\n'), ("notes.jsonl", '{"text": "mine"}\n'),
+                       ("one.json", '{"id": "x", "messages": []}')]:
+        other = tmp_path / name
+        other.write_text(text)
+        for kw in ({"overwrite": True}, {}):
+            with pytest.raises(EyasError, match="is not a prompt `eyas prompts` wrote"):
+                run(_cfg(other, **kw))
+            assert other.read_text() == text
 
 
 def test_a_target_that_never_ends_a_user_turn_is_stopped_with_the_counts(tmp_path, monkeypatch):
@@ -111,7 +115,7 @@ def test_a_target_that_never_ends_a_user_turn_is_stopped_with_the_counts(tmp_pat
             return [(f"on and on {b}.{r}", 6, False) for r in range(5)]
 
     monkeypatch.setattr(prompts, "Sampler", Endless)
-    with pytest.raises(EyasError, match=r"0 of 40 samples kept \(40 cut at --max-new-tokens") as e:
+    with pytest.raises(EyasError, match=r"0 of 260 samples kept \(260 cut at --max-new-tokens") as e:
         run(_cfg(tmp_path / "p.jsonl"))
     assert "raise --max-new-tokens" in str(e.value)
 
@@ -119,3 +123,14 @@ def test_a_target_that_never_ends_a_user_turn_is_stopped_with_the_counts(tmp_pat
 def test_greedy_prompts_are_refused():
     with pytest.raises(EyasError, match="--temperature 0"):
         PromptsConfig(temperature=0.0)
+
+
+def test_a_torn_last_record_is_dropped_and_the_run_resumes(tmp_path, monkeypatch):
+    monkeypatch.setattr(prompts, "Sampler", Scripted)
+    whole, torn = tmp_path / "whole.jsonl", tmp_path / "torn.jsonl"
+    run(_cfg(whole))
+    lines = whole.read_text().splitlines(keepends=True)
+    torn.write_text("".join(lines[:3]) + lines[3][:20])  # killed while writing the fourth record
+    torn.with_name("torn.jsonl.settings.json").write_text(whole.with_name("whole.jsonl.settings.json").read_text())
+    run(_cfg(torn))
+    assert torn.read_text() == whole.read_text()

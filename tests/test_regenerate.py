@@ -272,6 +272,11 @@ def test_torn_last_line_is_dropped_and_corrupt_middle_refused(tmp_path):
     with pytest.raises(EyasError, match="o.jsonl:2"):
         read_done(out)
     assert out.read_text() == good[0] + "garbage\n" + good[1]  # nothing destroyed
+    other = tmp_path / "data.json"  # a whole file without a newline (json.dump) is not a torn line of eyas's
+    other.write_text('[{"messages": []}]')
+    with pytest.raises(EyasError, match="data.json:1 is not a line eyas wrote"):
+        read_done(other)
+    assert other.read_text() == '[{"messages": []}]'
 
 
 def test_sigkill_then_rerun_resumes_without_duplicates_or_gaps(servers, tmp_path):

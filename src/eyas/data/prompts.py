@@ -130,17 +130,29 @@ class Sampler:
 
 
 def written(out: Path) -> tuple[int, tuple[int, int], set[str]]:
-    """(prompts in `out`, (batch, row) of the last one, their texts) from the output itself."""
+    """(prompts in `out`, (batch, row) of the last one, their texts) from the output itself; a file that is not
+    eyas prompts' own output is refused, never changed."""
     if not out.is_file():
         return 0, (-1, -1), set()
-    read_done(out)  # refuses a file that is not eyas's JSONL of ids; drops a torn last line
     n, last, texts = 0, (-1, -1), set()
-    with open(out, encoding="utf-8") as f:
-        for line in f:
-            rec = json.loads(line)
+    with open(out, "rb") as f:
+        for n_line, raw in enumerate(f, start=1):
+            try:
+                rec = json.loads(raw)
+                ok = str(rec["id"]).startswith("magpie:") and isinstance(rec["messages"], list)
+                place = (int(rec["batch"]), int(rec["row"]))
+            except (ValueError, KeyError, TypeError):
+                ok = False
+            if not ok:
+                if not raw.endswith(b"\n") and raw.startswith(b'{"id": "magpie:'):
+                    break  # a torn last record of an interrupted run: read_done below drops it
+                raise EyasError(f"{out}:{n_line} is not a prompt `eyas prompts` wrote",
+                                "its records carry a magpie: id, the messages, and the batch and row sampled",
+                                "choose another --out (this file is left as it is)")
             n += 1
-            last = max(last, (int(rec["batch"]), int(rec["row"])))
+            last = max(last, place)
             texts.add(rec["messages"][-1]["content"])
+    read_done(out)  # drops a torn last line
     return n, last, texts
 
 
@@ -148,7 +160,7 @@ def run(cfg: PromptsConfig) -> dict:
     con = console(0, cfg.quiet, cfg.json)
     out = Path(cfg.out)
     if cfg.overwrite and out.is_file():
-        read_done(out)  # --overwrite replaces only a JSONL of eyas's records
+        written(out)  # --overwrite replaces only a file of eyas prompts' own records
         out.unlink()
         settings_file(out).unlink(missing_ok=True)
     dtype, why = choose_dtype(cfg.dtype, pick_device(cfg.device))
@@ -194,7 +206,7 @@ def run(cfg: PromptsConfig) -> dict:
                 bar.update(len(lines))
                 batch, after = batch + 1, -1
                 seen = (batch - first) * cfg.batch_size
-                if seen >= 8 * cfg.batch_size and kept < 0.01 * seen:
+                if kept < todo and seen >= max(8 * cfg.batch_size, 256) and kept < 0.01 * seen:
                     bar.close()
                     raise EyasError(f"prompts: {fmt_int(kept)} of {fmt_int(seen)} samples kept ("
                                     + ", ".join(f"{fmt_int(n)} {k}" for k, n in dropped.items()) + ")",

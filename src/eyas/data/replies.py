@@ -87,6 +87,10 @@ def read_done(out: Path, con=None) -> set[str]:
     with open(out, "rb") as f:
         for n, raw in enumerate(f, start=1):
             if not raw.endswith(b"\n"):
+                if not raw.startswith(b'{"id": '):  # eyas's records begin so: this fragment is not one torn
+                    raise EyasError(f"{out}:{n} is not a line eyas wrote (no newline, and not an eyas record)",
+                                    "eyas appends whole records, each starting with its id, so something else "
+                                    "wrote the file", "choose another --out, or move that file away")
                 break
             try:
                 done.add(str(json.loads(raw)["id"]))
