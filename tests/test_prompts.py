@@ -134,3 +134,16 @@ def test_a_torn_last_record_is_dropped_and_the_run_resumes(tmp_path, monkeypatch
     torn.with_name("torn.jsonl.settings.json").write_text(whole.with_name("whole.jsonl.settings.json").read_text())
     run(_cfg(torn))
     assert torn.read_text() == whole.read_text()
+
+
+def test_a_second_writer_is_refused(tmp_path, monkeypatch):
+    from eyas.data.replies import lock_output
+
+    monkeypatch.setattr(prompts, "Sampler", Scripted)
+    out = tmp_path / "p.jsonl"
+    held = lock_output(out, "prompts")
+    with pytest.raises(EyasError, match="another eyas prompts is writing"):
+        run(_cfg(out))
+    assert not out.exists()
+    held.close()
+    assert run(_cfg(out))["written"] == 5

@@ -38,7 +38,7 @@ from eyas.core.precision import choose_dtype
 from eyas.core.target import DEFAULT_TARGET, load_target
 from eyas.core.threads import Threads
 from eyas.data.chat import ChatRenderer
-from eyas.data.replies import keep_settings, read_done, settings_file
+from eyas.data.replies import keep_settings, lock_output, read_done, settings_file
 
 PLACEHOLDER = "\u2063EYAS-USER-TURN\u2063"  # a user message's content, to find where the template puts it
 
@@ -157,8 +157,16 @@ def written(out: Path) -> tuple[int, tuple[int, int], set[str]]:
 
 
 def run(cfg: PromptsConfig) -> dict:
-    con = console(0, cfg.quiet, cfg.json)
     out = Path(cfg.out)
+    lock = lock_output(out, "prompts")
+    try:
+        return _run(cfg, out)
+    finally:
+        lock.close()
+
+
+def _run(cfg: PromptsConfig, out: Path) -> dict:
+    con = console(0, cfg.quiet, cfg.json)
     if cfg.overwrite and out.is_file():
         written(out)  # --overwrite replaces only a file of eyas prompts' own records
         out.unlink()

@@ -41,7 +41,7 @@ from eyas.data.formats import (
     resolve_data,
 )
 from eyas.data.local import LocalBackend, answer_here
-from eyas.data.replies import LEFT_OUT, TOO_LONG, Sink, keep_settings, read_done, settings_file
+from eyas.data.replies import LEFT_OUT, TOO_LONG, Sink, keep_settings, lock_output, read_done, settings_file
 from eyas.data.server import SERVER_CONCURRENCY, ServerBackend, run_server
 from eyas.data.workers import Workers, plan_workers
 
@@ -162,21 +162,6 @@ def run(cfg: RegenerateConfig) -> dict:
         return _run(cfg, con, out)
     finally:
         lock.close()
-
-
-def lock_output(out: Path):
-    """An exclusive lock beside `out` for the run (the kernel drops it when the process dies, even by SIGKILL)."""
-    import fcntl  # POSIX only
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    f = open(out.with_name(f".{out.name}.lock"), "w")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        raise EyasError(f"another eyas regenerate is writing {out}", "two writers would duplicate conversations",
-                        "wait for it to finish, or choose another --out") from None
-    return f
 
 
 def generation_settings(cfg: RegenerateConfig, model: str) -> dict:
