@@ -16,7 +16,7 @@ written before (exact duplicates are dropped and counted).
 
 Output: a JSONL file of `{"id", "messages": [{"role": "user", ...}], "source"}` records (`--system` adds the
 system message, and `batch`, `row`: where it was sampled), appended and fsynced batch by batch; `eyas regenerate
---data OUT` answers them. A rerun resumes under the same settings only (OUT.settings.json).
+--data OUT` answers them. A rerun resumes under the same settings only (OUT.settings.json); a second run on the same output is refused.
 """
 
 from __future__ import annotations
