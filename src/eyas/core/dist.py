@@ -57,17 +57,16 @@ def pick_device(preference: str = "auto", local_rank: int = 0) -> str:
     if preference == "auto":
         preference = "cuda" if torch.cuda.is_available() else "cpu"
     if preference == "cuda":
-        count = torch.cuda.device_count()
+        count, visible = torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
         if count == 0:
             raise EyasError("--device cuda, but no CUDA GPU is visible",
-                            f"torch sees none (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}"
-                            f", torch {torch.__version__})",
+                            f"torch sees none (CUDA_VISIBLE_DEVICES={visible}, torch {torch.__version__})",
                             "pass --device cpu (or auto), or install a CUDA build of torch (README: \"On a GPU "
                             "machine\")")
         if local_rank >= count:
             raise EyasError(f"local rank {local_rank} has no GPU of its own",
-                            f"this node shows {count} GPU(s) (CUDA_VISIBLE_DEVICES="
-                            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}) and each rank takes cuda:LOCAL_RANK",
+                            f"this node shows {count} GPU(s) (CUDA_VISIBLE_DEVICES={visible}) and each rank takes "
+                            "cuda:LOCAL_RANK",
                             f"start at most {count} rank(s) per node (torchrun --nproc_per_node {max(count, 1)}, "
                             "nproc in a pipeline file), or pass --device cpu")
         return f"cuda:{local_rank}"

@@ -16,7 +16,8 @@ written before (exact duplicates are dropped and counted).
 
 Output: a JSONL file of `{"id", "messages": [{"role": "user", ...}], "source"}` records (`--system` adds the
 system message, and `batch`, `row`: where it was sampled), appended and fsynced batch by batch; `eyas regenerate
---data OUT` answers them. A rerun resumes under the same settings only (OUT.settings.json); a second run on the same output is refused.
+--data OUT` answers them. A rerun resumes under the same settings only (OUT.settings.json); a second run on the
+same output at once is refused.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from eyas.core.precision import choose_dtype
 from eyas.core.target import DEFAULT_TARGET, load_target
 from eyas.core.threads import Threads
 from eyas.data.chat import ChatRenderer
-from eyas.data.replies import keep_settings, lock_output, read_done, settings_file
+from eyas.data.replies import keep_settings, lock_output, read_done, start_anew
 
 PLACEHOLDER = "\u2063EYAS-USER-TURN\u2063"  # a user message's content, to find where the template puts it
 
@@ -167,10 +168,8 @@ def run(cfg: PromptsConfig) -> dict:
 
 def _run(cfg: PromptsConfig, out: Path) -> dict:
     con = console(0, cfg.quiet, cfg.json)
-    if cfg.overwrite and out.is_file():
-        written(out)  # --overwrite replaces only a file of eyas prompts' own records
-        out.unlink()
-        settings_file(out).unlink(missing_ok=True)
+    if cfg.overwrite:
+        start_anew(out, written)  # only a file of eyas prompts' own records
     dtype, why = choose_dtype(cfg.dtype, pick_device(cfg.device))
     if why:
         con.print(why)

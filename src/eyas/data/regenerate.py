@@ -41,7 +41,7 @@ from eyas.data.formats import (
     resolve_data,
 )
 from eyas.data.local import LocalBackend, answer_here
-from eyas.data.replies import LEFT_OUT, TOO_LONG, Sink, keep_settings, lock_output, read_done, settings_file
+from eyas.data.replies import LEFT_OUT, TOO_LONG, Sink, keep_settings, lock_output, read_done, start_anew
 from eyas.data.server import SERVER_CONCURRENCY, ServerBackend, run_server
 from eyas.data.workers import Workers, plan_workers
 
@@ -177,14 +177,6 @@ def generation_settings(cfg: RegenerateConfig, model: str) -> dict:
     if cfg.engine != "local":  # an engine's replies differ from local ones at bf16 near-ties: never mixed
         s["engine"] = cfg.engine
     return s
-
-
-def start_anew(out: Path) -> None:
-    """--overwrite: remove the output and its settings, once `out` is known to be regenerate's own output."""
-    if out.is_file():
-        read_done(out)  # refuses a file that is not regenerate's output: --overwrite replaces nothing else
-        out.unlink()
-    settings_file(out).unlink(missing_ok=True)
 
 
 def check_settings(cfg: RegenerateConfig, out: Path, model: str, con) -> None:

@@ -188,6 +188,15 @@ def settings_file(out: Path) -> Path:
     return out.with_name(out.name + ".settings.json")
 
 
+def start_anew(out: Path, own=None) -> None:
+    """--overwrite: remove the output and its settings, once `own(out)` has read it as the command's own output
+    (it raises otherwise: --overwrite replaces nothing else). `own` defaults to read_done, regenerate's reader."""
+    if out.is_file():
+        (own or read_done)(out)
+        out.unlink()
+    settings_file(out).unlink(missing_ok=True)
+
+
 def keep_settings(out: Path, mine: dict, con, what: str) -> None:
     """Refuse to add `what` (replies, prompts) to `out` under other settings than those it was written with
     (OUT.settings.json; --overwrite starts it anew); record the settings of a new output."""

@@ -275,9 +275,7 @@ def join_chains(chain: Proposal, other: list[int]) -> Proposal:
     which in eyas.speculate.decode.verify_sampling is a one-hot row of q. Verification stays lossless: each node's
     children are tried one after the other, each step leaving the target's law for what follows."""
     mine = chain.tokens.tolist()
-    s = 0
-    while s < min(len(mine), len(other)) and mine[s] == other[s]:
-        s += 1
+    s = matched(other, mine)  # the common prefix
     rest = other[s:]
     if not rest:
         return chain
