@@ -215,3 +215,33 @@ def test_a_stage_reruns_when_a_stage_it_reads_ran_again(tmp_path, monkeypatch):
     ran.clear()
     run_pipeline(stages(2.0), r, Console(quiet=True))
     assert ran == []
+
+
+def test_a_failed_torchrun_stage_names_the_rank_that_died_first(tmp_path, monkeypatch):
+    """Under NCCL the surviving ranks are aborted by the watchdog, with no Python exception of eyas's: the stage's
+    error reads the log as `eyas doctor` does and names the rank that died first and its error."""
+    import types
+
+    from eyas.pipeline import runner
+    from tests.seedlogs import SeedRun
+    from tests.seedlogs import lines as seed_lines
+
+    log_lines = [line + "\n" for line in seed_lines(SeedRun(fmt="torchrun", samples=400, stop_at=40, crash_rank=1))]
+
+    class FakeTorchrun:
+        def __init__(self, cmd, **kwargs):
+            self.stdout, self.returncode = iter(log_lines), 1
+
+        def wait(self):
+            return self.returncode
+
+    monkeypatch.setattr(runner.subprocess, "Popen", FakeTorchrun)
+    monkeypatch.setattr(runner, "to_argv", lambda cfg: [])
+    cfg = types.SimpleNamespace(out=str(tmp_path / "train"))
+    with pytest.raises(EyasError) as e:
+        runner._launch_torchrun(Stage("train", "train", {}, nproc=4), cfg, tmp_path / "train.log", Console(quiet=True))
+    text = str(e.value)
+    assert "failed under torchrun (exit 1)" in text
+    assert "rank 1 died first: torch.OutOfMemoryError: CUDA out of memory" in text
+    assert "then ranks 0, 2, 3 were stopped (NCCL watchdog timeouts" in text
+    assert (tmp_path / "train.log").read_text() == "".join(log_lines)  # the whole log kept

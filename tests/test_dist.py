@@ -53,3 +53,36 @@ def test_cuda_asked_of_a_machine_without_a_gpu_says_so(gpus):
     assert not dist.on_gpu("auto") and dist.on_gpu("cuda") and dist.on_gpu("cuda:1") and not dist.on_gpu("cpu")
     gpus(1)
     assert dist.on_gpu("auto")
+
+
+def test_a_gpu_number_past_the_count_is_told_which_exist(gpus, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    gpus(2)
+    assert dist.pick_device("cuda:1", 0) == "cuda:1"
+    for bad in ("cuda:2", "cuda:x"):
+        with pytest.raises(EyasError, match=f"--device {bad}: no such GPU") as e:
+            dist.pick_device(bad, 0)
+        assert "cuda:0 to cuda:1" in str(e.value) and "CUDA_VISIBLE_DEVICES=4,5" in str(e.value)
+    gpus(0)
+    with pytest.raises(EyasError, match="--device cuda:0, but no CUDA GPU is visible"):
+        dist.pick_device("cuda:0", 0)
+
+
+def test_a_target_loads_straight_onto_its_gpu(monkeypatch):
+    """Not through host memory first (each rank would hold a whole copy there): from_pretrained is given the
+    device. Stopped at that call: no GPU here."""
+    from transformers import AutoModelForCausalLM
+
+    from eyas.core.target import load_target
+
+    asked = []
+
+    def fake(folder, **kw):
+        asked.append(kw)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", fake)
+    for device in ("cuda:1", "cpu"):
+        with pytest.raises(RuntimeError, match="stop here"):
+            load_target("smollm2-135m", device=device)
+    assert asked[0].get("device_map") == "cuda:1" and "device_map" not in asked[1]

@@ -56,13 +56,15 @@ def pick_device(preference: str = "auto", local_rank: int = 0) -> str:
     of this node); cpu or cuda:N as given. A rank without a GPU of its own is an error, not a crash in CUDA."""
     if preference == "auto":
         preference = "cuda" if torch.cuda.is_available() else "cpu"
+    if not preference.startswith("cuda"):
+        return preference
+    count, visible = torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+    if count == 0:
+        raise EyasError(f"--device {preference}, but no CUDA GPU is visible",
+                        f"torch sees none (CUDA_VISIBLE_DEVICES={visible}, torch {torch.__version__})",
+                        "pass --device cpu (or auto), or install a CUDA build of torch (README: \"On a GPU "
+                        "machine\")")
     if preference == "cuda":
-        count, visible = torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
-        if count == 0:
-            raise EyasError("--device cuda, but no CUDA GPU is visible",
-                            f"torch sees none (CUDA_VISIBLE_DEVICES={visible}, torch {torch.__version__})",
-                            "pass --device cpu (or auto), or install a CUDA build of torch (README: \"On a GPU "
-                            "machine\")")
         if local_rank >= count:
             raise EyasError(f"local rank {local_rank} has no GPU of its own",
                             f"this node shows {count} GPU(s) (CUDA_VISIBLE_DEVICES={visible}) and each rank takes "
@@ -70,6 +72,12 @@ def pick_device(preference: str = "auto", local_rank: int = 0) -> str:
                             f"start at most {count} rank(s) per node (torchrun --nproc_per_node {max(count, 1)}, "
                             "nproc in a pipeline file), or pass --device cpu")
         return f"cuda:{local_rank}"
+    index = preference.partition(":")[2]
+    if not index.isdigit() or int(index) >= count:
+        raise EyasError(f"--device {preference}: no such GPU",
+                        f"this node shows {count} GPU(s), cuda:0 to cuda:{count - 1} "
+                        f"(CUDA_VISIBLE_DEVICES={visible}: numbers count the visible ones only)",
+                        "pass one of those, or --device cuda to give each rank cuda:LOCAL_RANK")
     return preference
 
 

@@ -365,9 +365,11 @@ def load_target(spec: str = DEFAULT_TARGET, *, dtype: str | torch.dtype = "float
         model, tokenizer = _build_tiny(spec, folder)
     else:
         _check_index(Path(folder))
+        # on a GPU the weights go straight to it: through host memory, 8 ranks of an 8B target would hold 8 copies
+        place = {"device_map": device} if str(device).startswith("cuda") else {}
         with refusing_code(folder):
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=_dtype(dtype),
-                                                         trust_remote_code=trust_remote_code)
+                                                         trust_remote_code=trust_remote_code, **place)
             tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     model = model.to(device=device, dtype=_dtype(dtype)).eval().requires_grad_(False)
     pack_module(model)  # on CPUs: weights in 2 MiB pages, several times faster to stream (eyas.core.memory)

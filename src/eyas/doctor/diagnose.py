@@ -303,6 +303,17 @@ def _read_whole(path_str: str, cfg: DoctorConfig) -> dict:
     return analyse(parser, cfg, path_str, extra, Seen(mtime, time.time()))
 
 
+def crash_cause(path: Path) -> str | None:
+    """What a failed run's log says killed it (the rank that died first, its error and where, the ranks stopped
+    after it), or None when the log names no crash or cannot be read. Under NCCL a rank whose peer died is
+    aborted by the watchdog without a Python exception, so its own output never says why: this does."""
+    try:
+        rep = _read_whole(str(path), DoctorConfig(logs=[str(path)]))
+    except (EyasError, OSError, ValueError):
+        return None
+    return next((a["message"] for a in rep["anomalies"] if a["kind"] == "crash"), None)
+
+
 def follow(cfg: DoctorConfig, con: Console) -> dict:
     """Read a growing log until the run ends or no line arrives for follow_timeout seconds."""
     path, extra = open_log(cfg.logs[0])

@@ -23,6 +23,7 @@ from eyas.core.errors import EyasError
 from eyas.core.files import move_aside, read_json, write_json
 from eyas.core.log import Console, fmt_duration
 from eyas.core.threads import OMP_DEFAULTED
+from eyas.doctor.diagnose import crash_cause
 from eyas.pipeline.commands import load_stage
 from eyas.store.extract import SUMMARY_FILE as EXTRACT_SUMMARY
 from eyas.train.trainer import SUMMARY_FILE as TRAIN_SUMMARY
@@ -102,8 +103,10 @@ def _launch_torchrun(stage: Stage, cfg, log_path: Path, con: Console) -> dict:
             con.print(line.rstrip("\n"))
         proc.wait()
     if proc.returncode != 0 or not summary_path.is_file():
+        cause = crash_cause(log_path) if proc.returncode != 0 else None
         raise EyasError(f"stage {stage.name} failed under torchrun (exit {proc.returncode})",
-                        f"see the log {log_path}", "fix the error shown there and rerun: completed stages are kept")
+                        f"{cause} (the log: {log_path})" if cause else f"see the log {log_path}",
+                        "fix the error shown there and rerun: completed stages are kept")
     return read_json(summary_path, f"see the log {log_path}, and rerun the stage")
 
 
