@@ -1,6 +1,9 @@
 """The speculative decoding engine against independent references: transformers' own forward and `generate`,
 brute-force tree ancestry, hand-made acceptance traces, and the target's distribution at temperature > 0."""
 
+import copy
+import dataclasses
+
 import pytest
 import torch
 
@@ -69,7 +72,11 @@ def test_tree_mask_is_ancestors_or_self():
     assert full.shape == (n + 1, 7 + n + 1) and full[:, :7].all() and torch.equal(full[:, 7:], m)
 
 
-@pytest.mark.parametrize("impl", [LeanRunner, HFRunner])
+def few_rows_runner(target, layers):
+    return LeanRunner(target, layers, linear="few-rows")
+
+
+@pytest.mark.parametrize("impl", [LeanRunner, HFRunner, few_rows_runner])
 def test_runner_tree_forward_equals_plain_forward_of_each_path(tiny_target, impl):
     """Every node's logits and features equal transformers' plain forward over prefix + the node's path."""
     model, g = tiny_target.model, torch.Generator().manual_seed(1)
@@ -109,7 +116,7 @@ def test_runner_commit_keeps_the_accepted_path_only(tiny_target, impl):
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("impl", [LeanRunner, HFRunner])
+@pytest.mark.parametrize("impl", [LeanRunner, HFRunner, few_rows_runner])
 def test_plain_generate_equals_transformers_generate(tiny_target, refs, impl):
     runner = impl(tiny_target, tiny_target.default_feature_layers())
     for prompt, ref in refs:
@@ -136,9 +143,10 @@ KINDS = ["untrained-chain", "untrained-tree", "trained-chain", "trained-tree", "
          "prompt-lookup", "hybrid", "hybrid-adaptive", "hybrid-both"]
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + ["few-rows:prompt-lookup", "few-rows:hybrid-adaptive", "few-rows:hybrid-both"])
 def test_greedy_speculation_equals_greedy_decoding(tiny_target, refs, kind):
-    runner = LeanRunner(tiny_target, tiny_target.default_feature_layers())
+    linear, _, kind = kind.rpartition(":")
+    runner = LeanRunner(tiny_target, tiny_target.default_feature_layers(), linear=linear or "torch")
     drafter = _drafter(kind, tiny_target)
     taus = []
     for prompt, ref in refs:
@@ -578,3 +586,66 @@ def test_a_chain_waits_for_the_device_once_a_proposal_whatever_its_length(tiny_t
         assert len(prop) == k
         counts[k] = (len(syncs), Reads.n)
     assert counts[2] == counts[6] and counts[6][0] == 2 and counts[6][1] == 0, counts
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+def test_few_rows_linear_is_the_same_product_as_f_linear(rows):
+    """(W @ x.T).T, one row doubled: the same numbers as F.linear up to the order of the sums, any leading shape,
+    with or without a bias; more than FEW_ROWS rows go to F.linear itself."""
+    import torch.nn.functional as F
+
+    from eyas.core.generate import FEW_ROWS, few_rows_linear
+
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(96, 40, generator=g), torch.randn(96, generator=g)
+    x = torch.randn(1, rows, 40, generator=g)
+    for bias in (None, b):
+        got, want = few_rows_linear(x, w, bias), F.linear(x, w, bias)
+        assert got.shape == want.shape == (1, rows, 96)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        if rows > FEW_ROWS:
+            assert torch.equal(got, want)
+
+
+def test_the_runner_chooses_its_projections_by_measuring_only_float32_on_a_cpu(tiny_target, monkeypatch):
+    from eyas.speculate import runner as runner_mod
+
+    runner = LeanRunner(tiny_target, tiny_target.default_feature_layers(), linear="few-rows")
+    assert runner.linear_kind == "few-rows" and runner.linear_choice == "few-rows (as asked)"
+    said = runner.choose_linear("auto")
+    assert runner.linear_kind in ("torch", "few-rows") and said.startswith(runner.linear_kind + " (measured: ")
+    assert runner.length == 0 and runner.pending == 0  # measuring leaves an empty cache
+    ticks = iter(range(10_000))  # a clock under which few_rows_linear's forwards take half the time
+    monkeypatch.setattr(runner_mod.time, "perf_counter",
+                        lambda: next(ticks) * (0.5 if runner.linear_kind == "few-rows" else 1.0))
+    assert runner.choose_linear("auto").startswith("few-rows (measured")
+    monkeypatch.setattr(runner_mod.time, "perf_counter",
+                        lambda: next(ticks) * (0.95 if runner.linear_kind == "few-rows" else 1.0))
+    assert runner.choose_linear("auto").startswith("torch (measured")  # within LINEAR_MARGIN: F.linear stays
+    bf16 = dataclasses.replace(tiny_target, model=copy.deepcopy(tiny_target.model).to(torch.bfloat16))
+    assert LeanRunner(bf16, bf16.default_feature_layers(), linear="auto").linear_choice.startswith(
+        "torch (not float32 on a CPU")
+
+
+def test_a_few_rows_draft_proposes_what_the_draft_proposes(tiny_target, refs):
+    """evaluate runs the drafts' linears as few_rows_linear where the runner chose it: the same weights, the same
+    proposals here (the tiny draft has no near-ties), and the target's greedy output either way."""
+    from eyas.speculate.drafters import FewRowsLinear, few_rows_draft
+
+    draft = trained_draft(tiny_target)
+    fast = few_rows_draft(draft)
+    assert not any(isinstance(m, torch.nn.Linear) for m in fast.modules())
+    assert sum(isinstance(m, FewRowsLinear) for m in fast.modules()) == sum(
+        isinstance(m, torch.nn.Linear) for m in draft.modules())
+    assert torch.equal(fast.lm_head.weight, draft.lm_head.weight) and any(isinstance(m, torch.nn.Linear)
+                                                                          for m in draft.modules())  # a copy
+    h = torch.randn(1, 3, draft.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(fast.logits(h), draft.logits(h), rtol=1e-5, atol=1e-5)
+    for prompt, ref in refs[:3]:
+        rounds = {}
+        for name, d in (("draft", draft), ("few-rows", fast)):
+            runner = LeanRunner(tiny_target, tiny_target.default_feature_layers(), linear="few-rows")
+            g = speculative_generate(runner, Eagle3Drafter(d, k=4), prompt, NEW)
+            assert g.tokens == ref
+            rounds[name] = [r.accepted for r in g.rounds]
+        assert rounds["draft"] == rounds["few-rows"]

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from eyas.core.memory import to_hugepages
 
+FEW_ROWS = 16  # few_rows_linear's limit: where it measured faster (1-4 rows: 1.5-2x; 5-16 rows: 1.1x)
 LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2")  # pre-norm, RoPE, SiLU-gated MLP, no extra norms
 
 
@@ -36,6 +37,23 @@ def fuse_projections(layers) -> tuple[list, list, list]:
             [next(packed) for _ in wgu])
 
 
+def few_rows_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T (+ b) for a few rows, computed as (w @ x.T).T, one row doubled into two. The same product as
+    F.linear, by another BLAS call: on an AMD EPYC (AVX2, float32, MKL) F.linear over 1-8 rows streamed a model's
+    weights at about 11 GB/s, this at about 25 GB/s (a one-row product is a matrix-vector call there, slower than
+    the two-row matrix product); in SmolLM2-135M's whole forward t(1) fell from 66 to 38-53 ms, t(4) from 89-93
+    to 62-70 ms, and t(8) stayed within noise (bench/bench_linear.py). Whether it is faster is measured per
+    machine (eyas.speculate.runner); it is not used for more than FEW_ROWS rows, where F.linear is the fast one."""
+    flat = x.reshape(-1, x.shape[-1])
+    m = flat.shape[0]
+    if m > FEW_ROWS:
+        return F.linear(x, w, b)
+    y = (w @ (flat if m > 1 else torch.cat((flat, flat))).T).T[:m]
+    if b is not None:
+        y = y + b
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding, the rotate-half convention of transformers' Llama."""
     half = x.shape[-1] // 2
@@ -44,17 +62,18 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def layer_forward(layer, weights: tuple, heads: tuple[int, int, int], x: torch.Tensor, cos, sin,
                   k: torch.Tensor, v: torch.Tensor, start: int | tuple[torch.Tensor, torch.Tensor],
-                  attend) -> torch.Tensor:
+                  attend, linear=F.linear) -> torch.Tensor:
     """One pre-norm Llama decoder layer over x [B,q,H]; its keys and values are written into k, v [R,nkv,cap,hd]
     in place. `start` is either the cache column of x's first position, the same for every row (an int: rows
     B = R, columns start..start+q are written and `attend(q, k, v)` [B,nh,q,hd] gets columns :start+q), or the
     cache (row, column) of each of x's B*q positions in order (two [B*q] tensors: `attend` gets the whole cache
     and picks and masks its columns itself).
-    `weights` = (fused [q|k|v], its bias or None, fused [gate|up]) from fuse_projections; heads = (nh, nkv, hd)."""
+    `weights` = (fused [q|k|v], its bias or None, fused [gate|up]) from fuse_projections; heads = (nh, nkv, hd);
+    `linear(x, w, b)` computes every projection (F.linear, or few_rows_linear)."""
     wqkv, bqkv, wgu = weights
     nh, nkv, hd = heads
     B, q, _ = x.shape
-    qs, ks, vs = F.linear(layer.input_layernorm(x), wqkv, bqkv).split((nh * hd, nkv * hd, nkv * hd), dim=-1)
+    qs, ks, vs = linear(layer.input_layernorm(x), wqkv, bqkv).split((nh * hd, nkv * hd, nkv * hd), dim=-1)
     qs = rotate(qs.view(B, q, nh, hd).transpose(1, 2), cos, sin)  # [B,nh,q,hd]
     if isinstance(start, int):
         ks = rotate(ks.view(B, q, nkv, hd).transpose(1, 2), cos, sin)  # [B,nkv,q,hd]
@@ -66,9 +85,10 @@ def layer_forward(layer, weights: tuple, heads: tuple[int, int, int], x: torch.T
         ks = rotate(ks.view(B * q, nkv, hd), cos.reshape(B * q, 1, hd), sin.reshape(B * q, 1, hd))
         k[rows, :, cols], v[rows, :, cols] = ks, vs.view(B * q, nkv, hd)
         o = attend(qs, k, v)
-    x = x + layer.self_attn.o_proj(o.transpose(1, 2).reshape(B, q, nh * hd))
-    g, u = F.linear(layer.post_attention_layernorm(x), wgu).chunk(2, dim=-1)
-    return x + layer.mlp.down_proj(F.silu(g) * u)
+    o_proj, down = layer.self_attn.o_proj, layer.mlp.down_proj
+    x = x + linear(o.transpose(1, 2).reshape(B, q, nh * hd), o_proj.weight, o_proj.bias)
+    g, u = linear(layer.post_attention_layernorm(x), wgu).chunk(2, dim=-1)
+    return x + linear(F.silu(g) * u, down.weight, down.bias)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ import time
 import numpy as np
 import torch
 
+from eyas.core.generate import few_rows_linear
 from eyas.speculate.decode import Proposal, Round
 from eyas.speculate.runner import sync
 
@@ -77,15 +78,36 @@ class Int8Linear(torch.nn.Module):
         return torch._weight_int8pack_mm(flat, self.w8, self.scale).reshape(*x.shape[:-1], self.out_features)
 
 
-def quantize_int8(draft):
-    """A copy of the draft whose linear layers (fc, attention, MLP, head) are weight-only int8 (CPU, bf16)."""
+class FewRowsLinear(torch.nn.Module):
+    """A linear layer computed by eyas.core.generate.few_rows_linear: the same weights and product, another BLAS
+    call, faster for a draft step's one row where the target's runner measured it faster (LeanRunner.choose_linear)."""
 
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return few_rows_linear(x, self.weight, self.bias)
+
+
+def _with_linears(draft, make):
+    """A copy of the draft whose linear layers (fc, attention, MLP, head) are `make(linear)`."""
     q = copy.deepcopy(draft)
-    for name, module in list(q.named_modules()):
+    for module in list(q.modules()):
         for child, sub in list(module.named_children()):
             if isinstance(sub, torch.nn.Linear):
-                setattr(module, child, Int8Linear(sub))
+                setattr(module, child, make(sub))
     return q
+
+
+def quantize_int8(draft):
+    """A copy of the draft whose linear layers (fc, attention, MLP, head) are weight-only int8 (CPU, bf16)."""
+    return _with_linears(draft, Int8Linear)
+
+
+def few_rows_draft(draft):
+    """A copy of the draft whose linear layers run as few_rows_linear (the same weights, to the last bit)."""
+    return _with_linears(draft, FewRowsLinear)
 
 
 class Eagle3Drafter(Drafter):

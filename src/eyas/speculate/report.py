@@ -138,7 +138,8 @@ def aggregate(cfg, target, draft, runner, items, methods, records, latency) -> d
 
     return {"settings": settings,
             "target": {**target.identity(), "dtype": str(target.dtype).removeprefix("torch."),
-                       "device": str(target.device), "runner": type(runner).__name__},
+                       "device": str(target.device), "runner": type(runner).__name__,
+                       "projections": getattr(runner, "linear_choice", "the model's own modules")},
             "draft": {"path": cfg.draft, "feature_layers": list(draft.cfg.feature_layers),
                       "draft_vocab_size": draft.cfg.draft_vocab_size, "num_layers": draft.cfg.num_layers},
             "bench": {"name": cfg.bench, "prompts": len(items), "turns": sum(len(i.turns) for i in items),
@@ -271,7 +272,8 @@ def _save(fig, path: Path) -> str:
 def _markdown(res: dict) -> str:
     s, t = res["settings"], res["target"]
     lines = [f"# eyas evaluate: {res['bench']['name']}", "",
-             f"Target {t['name']} ({t['dtype']}, {t['device']}, {res['threads']} threads, runner {t['runner']}); "
+             f"Target {t['name']} ({t['dtype']}, {t['device']}, {res['threads']} threads, runner {t['runner']}"
+             f"{', projections ' + t['projections'] if 'projections' in t else ''}); "
              f"draft `{res['draft']['path']}` ({res['draft'].get('precision', 'precision not recorded')}); "
              f"{res['bench']['prompts']} prompts, {res['bench']['turns']} turns; "
              f"temperature {s['temperature']}, at most {s['max_new_tokens']} new tokens; adaptive {s['adaptive']}.", "",

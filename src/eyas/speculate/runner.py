@@ -21,8 +21,11 @@ Verify widths (`verify_widths`, `TargetRunner.widths`): where the measured t(q) 
 than q rows, q tokens are verified in that wider forward, the extra rows filler tokens that the real ones never
 see and that are never committed. On an AMD EPYC with AVX2 alone, in float32 (2 threads, SmolLM2-135M, whose
 49,152 x 576 output head is a large part of a forward), t(3) = 136 ms against t(4) = 90 ms and t(7) = 137 ms
-against t(8) = 108 ms: below 4 rows the fp32 GEMM reads the weights once per row. Where t grows with q (a GPU;
-bf16 on a CPU that has it in hardware), nothing is widened.
+against t(8) = 108 ms with F.linear: below 4 rows the fp32 GEMM reads the weights once per row. Where t grows with
+q (a GPU; bf16 on a CPU that has it in hardware; that CPU in float32 with few_rows_linear), nothing is widened.
+
+Projections (`LeanRunner.choose_linear`): F.linear, or few_rows_linear ((W @ x.T).T, a single row doubled) where
+it measured faster on this machine: on that EPYC in float32 it made t(1) 36 ms against 65 (docs/evaluate.md).
 """
 
 from __future__ import annotations
@@ -30,8 +33,12 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.nn.functional as F
 
-from eyas.core.generate import fuse_projections, layer_forward, supports
+from eyas.core.generate import FEW_ROWS, few_rows_linear, fuse_projections, layer_forward, supports
+
+LINEARS = {"torch": F.linear, "few-rows": few_rows_linear}
+LINEAR_MARGIN = 0.1  # few_rows_linear is chosen only when it measured at least this much faster
 
 
 def attention_mask(prefix: int, tree: torch.Tensor | None, q: int, device) -> torch.Tensor | None:
@@ -173,7 +180,7 @@ class TargetRunner:
 class LeanRunner(TargetRunner):
     """A Llama-family decoder over the HF modules' weights with a preallocated cache [L,1,nkv,cap,hd]."""
 
-    def __init__(self, target, feature_layers, capacity: int = 2048):
+    def __init__(self, target, feature_layers, capacity: int = 2048, linear: str = "torch"):
         super().__init__(target, feature_layers)
         cfg = target.text_config
         self.nh, self.nkv = (int(cfg.num_attention_heads),
@@ -185,6 +192,43 @@ class LeanRunner(TargetRunner):
         self.capacity = 0
         self.k = self.v = None
         self._ensure(capacity)
+        self.linear_kind, self.linear_choice = "torch", "torch"  # how every projection is computed (LINEARS)
+        self.choose_linear(linear)
+
+    @torch.inference_mode()
+    def choose_linear(self, how: str = "auto", reps: int = 3) -> str:
+        """Compute the projections with F.linear or few_rows_linear: `how`, or with "auto" the faster of the two
+        as measured on this model here, one- and FEW_ROWS-token forwards interleaved (few_rows_linear must win by
+        LINEAR_MARGIN: a close call would flip between runs and, with it, the rounding of near-ties). Only float32
+        on a CPU is measured: elsewhere the BLAS calls of F.linear are the fast ones. Sets and returns
+        `linear_choice`, a line saying what was chosen and why."""
+        if how != "auto":
+            self.linear_kind, self.linear_choice = how, f"{how} (as asked)"
+            return self.linear_choice
+        if self.device.type != "cpu" or self.target.dtype != torch.float32:
+            self.linear_kind, self.linear_choice = "torch", "torch (not float32 on a CPU: not measured)"
+            return self.linear_choice
+        g = torch.Generator().manual_seed(0)
+        vocab = self.target.vocab_size
+        times = {name: [] for name in LINEARS}
+        self.reset()
+        self.prefill(torch.randint(0, vocab, (64,), generator=g))
+        for rep in range(reps + 1):  # the first round warms up, untimed
+            for name in LINEARS:
+                self.linear_kind = name
+                t0 = time.perf_counter()
+                for q in (1, FEW_ROWS):
+                    self.forward(torch.randint(0, vocab, (q,), generator=g))  # uncommitted: the prefix stays
+                if rep:
+                    times[name].append(time.perf_counter() - t0)
+        self.reset()
+        t = {name: sorted(v)[len(v) // 2] for name, v in times.items()}
+        pick = "few-rows" if t["few-rows"] <= (1 - LINEAR_MARGIN) * t["torch"] else "torch"
+        self.linear_kind = pick
+        self.linear_choice = (f"{pick} (measured: t(1) + t({FEW_ROWS}) {1e3 * t['few-rows']:.1f} ms by "
+                              "few_rows_linear, "
+                              f"{1e3 * t['torch']:.1f} ms by F.linear)")
+        return self.linear_choice
 
     def _ensure(self, needed: int) -> None:
         """Grow the cache (doubling, copying the committed part) so `needed` entries fit."""
@@ -212,18 +256,20 @@ class LeanRunner(TargetRunner):
         cos, sin = cos[:, None], sin[:, None]
         mask = _rep_mask(attention_mask(start, tree, q, x.device), self.nh // self.nkv)
         feats = [x] if 0 in self.feature_layers else []
+        linear = LINEARS[self.linear_kind]
 
         def exact(qs, ks, vs):
             return _attend(qs, ks, vs, mask)
 
         for i, layer in enumerate(self.layers):
             x = layer_forward(layer, (self.wqkv[i], self.bqkv[i], self.wgu[i]), (self.nh, self.nkv, self.hd), x,
-                              cos, sin, self.k[i], self.v[i], start, exact)
+                              cos, sin, self.k[i], self.v[i], start, exact, linear)
             if i + 1 in self.feature_layers:
                 feats.append(x)
         if last_only:
             x = x[:, -1:]
-        logits = self.model.lm_head(body.norm(x))[0]  # [q|1, V]
+        head = self.model.lm_head
+        logits = linear(body.norm(x), head.weight, head.bias)[0]  # [q|1, V]
         return logits, torch.cat(feats, dim=-1)[0]  # [q,3H]
 
     def _gather(self, rows: list[int]) -> None:
@@ -287,10 +333,12 @@ class HFRunner(TargetRunner):
             self.cache.crop(-extra)
 
 
-def make_runner(target, feature_layers, impl: str = "auto", capacity: int = 2048) -> TargetRunner:
-    """The lean runner for Llama-family targets, the HF one otherwise (or when impl='hf')."""
+def make_runner(target, feature_layers, impl: str = "auto", capacity: int = 2048,
+                linear: str = "auto") -> TargetRunner:
+    """The lean runner for Llama-family targets (its projections by `linear`: LeanRunner.choose_linear), the HF
+    one otherwise (or when impl='hf')."""
     if impl == "lean" or (impl == "auto" and supports(target)):
-        return LeanRunner(target, feature_layers, capacity)
+        return LeanRunner(target, feature_layers, capacity, linear)
     return HFRunner(target, feature_layers)
 
 
