@@ -245,3 +245,17 @@ def test_a_failed_torchrun_stage_names_the_rank_that_died_first(tmp_path, monkey
     assert "rank 1 died first: torch.OutOfMemoryError: CUDA out of memory" in text
     assert "then ranks 0, 2, 3 were stopped (NCCL watchdog timeouts" in text
     assert (tmp_path / "train.log").read_text() == "".join(log_lines)  # the whole log kept
+    # a crash before any step (extract's ranks write progress bars, not steps; a target too large to load)
+    from tests.seedlogs import _crash
+
+    run = SeedRun(fmt="torchrun", samples=400, crash_rank=0)
+    log_lines = ["[rank0]: extract (rank 0 of 4):  12%|#  | 9.1k/75k [00:31<03:46, 291tok/s]\n",
+                 *(line + "\n" for line in _crash(run, run.start))]
+    with pytest.raises(EyasError, match=r"rank 0 died first: torch.OutOfMemoryError") as e:
+        runner._launch_torchrun(Stage("extract", "extract", {}, nproc=4), types.SimpleNamespace(store=str(tmp_path)),
+                                tmp_path / "extract.log", Console(quiet=True))
+    assert "before the first step" not in str(e.value) and "ranks 1, 2, 3 were stopped" in str(e.value)
+    log_lines = ["[rank0]: RuntimeError: something else\n"]  # no traceback: the log is pointed to, as before
+    with pytest.raises(EyasError, match="see the log") as e:
+        runner._launch_torchrun(Stage("extract", "extract", {}, nproc=2), types.SimpleNamespace(store=str(tmp_path)),
+                                tmp_path / "extract.log", Console(quiet=True))

@@ -73,8 +73,9 @@ def test_a_target_loads_straight_onto_its_gpu(monkeypatch):
     device. Stopped at that call: no GPU here."""
     from transformers import AutoModelForCausalLM
 
-    from eyas.core.target import load_target
+    from eyas.core.target import load_target, resolve_source
 
+    resolve_source("smollm2-135m")  # the GGUF converted to a folder first (a fresh cache loads it with from_pretrained)
     asked = []
 
     def fake(folder, **kw):

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+from eyas.core.errors import EyasError
 from eyas.speculate.decode import (
     Proposal,
     acceptance_stats,
@@ -588,23 +589,30 @@ def test_a_chain_waits_for_the_device_once_a_proposal_whatever_its_length(tiny_t
     assert counts[2] == counts[6] and counts[6][0] == 2 and counts[6][1] == 0, counts
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16, 17])
 def test_few_rows_linear_is_the_same_product_as_f_linear(rows):
-    """(W @ x.T).T, one row doubled: the same numbers as F.linear up to the order of the sums, any leading shape,
-    with or without a bias; more than FEW_ROWS rows go to F.linear itself."""
+    """(W @ x.T).T, one row doubled: the same numbers as F.linear up to the order of the sums, any leading shape
+    (one vector, rows, batches of rows, a strided view), with or without a bias; more than FEW_ROWS rows go to
+    F.linear itself."""
     import torch.nn.functional as F
 
     from eyas.core.generate import FEW_ROWS, few_rows_linear
 
     g = torch.Generator().manual_seed(rows)
     w, b = torch.randn(96, 40, generator=g), torch.randn(96, generator=g)
-    x = torch.randn(1, rows, 40, generator=g)
-    for bias in (None, b):
-        got, want = few_rows_linear(x, w, bias), F.linear(x, w, bias)
-        assert got.shape == want.shape == (1, rows, 96)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        if rows > FEW_ROWS:
-            assert torch.equal(got, want)
+    shaped = [torch.randn(1, rows, 40, generator=g), torch.randn(rows, 40, generator=g),
+              torch.randn(40, rows, generator=g).T]  # a transposed view: not contiguous
+    if rows % 2 == 0:
+        shaped.append(torch.randn(2, rows // 2, 40, generator=g))
+    if rows == 1:
+        shaped.append(torch.randn(40, generator=g))
+    for x in shaped:
+        for bias in (None, b):
+            got, want = few_rows_linear(x, w, bias), F.linear(x, w, bias)
+            assert got.shape == want.shape == (*x.shape[:-1], 96)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            if rows > FEW_ROWS:
+                assert torch.equal(got, want)
 
 
 def test_the_runner_chooses_its_projections_by_measuring_only_float32_on_a_cpu(tiny_target, monkeypatch):
@@ -612,6 +620,8 @@ def test_the_runner_chooses_its_projections_by_measuring_only_float32_on_a_cpu(t
 
     runner = LeanRunner(tiny_target, tiny_target.default_feature_layers(), linear="few-rows")
     assert runner.linear_kind == "few-rows" and runner.linear_choice == "few-rows (as asked)"
+    with pytest.raises(EyasError, match="projections 'few_rows' unknown"):
+        runner.choose_linear("few_rows")
     said = runner.choose_linear("auto")
     assert runner.linear_kind in ("torch", "few-rows") and said.startswith(runner.linear_kind + " (measured: ")
     assert runner.length == 0 and runner.pending == 0  # measuring leaves an empty cache

@@ -53,7 +53,8 @@ def read_env() -> DistEnv:
 
 def pick_device(preference: str = "auto", local_rank: int = 0) -> str:
     """'auto' -> cuda:<local_rank> when CUDA is available, else cpu; 'cuda' -> cuda:<local_rank> (one GPU per rank
-    of this node); cpu or cuda:N as given. A rank without a GPU of its own is an error, not a crash in CUDA."""
+    of this node); cpu, or cuda:N when this node shows GPU N. A rank without a GPU of its own, or a GPU number
+    past those shown, is an error, not a crash in CUDA."""
     if preference == "auto":
         preference = "cuda" if torch.cuda.is_available() else "cpu"
     if not preference.startswith("cuda"):

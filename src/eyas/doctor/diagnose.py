@@ -41,6 +41,7 @@ from eyas.doctor.series import (
 from eyas.doctor.settings import DoctorConfig
 from eyas.doctor.verdict import (
     compare,
+    crash_story,
     decide,
     fact_anomalies,
     liveness,
@@ -307,11 +308,13 @@ def crash_cause(path: Path) -> str | None:
     """What a failed run's log says killed it (the rank that died first, its error and where, the ranks stopped
     after it), or None when the log names no crash or cannot be read. Under NCCL a rank whose peer died is
     aborted by the watchdog without a Python exception, so its own output never says why: this does."""
+    parser = LogParser()
     try:
-        rep = _read_whole(str(path), DoctorConfig(logs=[str(path)]))
+        Tail(Path(path)).read(parser, final=True)
+        parser.finish()
     except (EyasError, OSError, ValueError):
         return None
-    return next((a["message"] for a in rep["anomalies"] if a["kind"] == "crash"), None)
+    return crash_story(parser.facts)[0] or None
 
 
 def follow(cfg: DoctorConfig, con: Console) -> dict:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from eyas.core.config import StageConfig, check, opt
+from eyas.core.dist import pick_device
 from eyas.core.errors import EyasError
 from eyas.core.log import console
 from eyas.core.paths import shared_data_dir
@@ -87,7 +88,7 @@ class EvalConfig(StageConfig):
                            "is then not the exported draft's; outputs stay exact)", choices=("none", "int8"))
     runner: str = opt("auto", "target forward: lean (Llama family), hf (any model), auto",
                       choices=("auto", "lean", "hf"))
-    projections: str = opt("auto", "how the lean runner computes its projections over 1-4 tokens: torch (F.linear), "
+    projections: str = opt("auto", "how the lean runner computes its projections over 1-16 tokens: torch (F.linear), "
                            "few-rows ((W @ x.T).T: on an AMD EPYC in float32 about 1.5x faster), or auto (the faster "
                            "here, measured)", choices=("auto", "torch", "few-rows"))
     latency_prefix: int = opt(300, "prefix length for the latency table t(q)")
@@ -276,7 +277,7 @@ def hf_generate(target, prompt: list[int], max_new: int, temperature: float, sto
 # -- the run -----------------------------------------------------------------------------------------------------------
 def run(cfg: EvalConfig) -> dict:
     con = console(0, cfg.quiet, cfg.json)
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(pick_device(cfg.device or "auto"))
     cpu = Threads(cfg.threads, 1, str(device))
     con.print("threads: %d (%s)" % cpu.apply())
     if cfg.temperature > 0 and "oracle" in cfg.baselines:

@@ -22,7 +22,8 @@ than q rows, q tokens are verified in that wider forward, the extra rows filler 
 see and that are never committed. On an AMD EPYC with AVX2 alone, in float32 (2 threads, SmolLM2-135M, whose
 49,152 x 576 output head is a large part of a forward), t(3) = 136 ms against t(4) = 90 ms and t(7) = 137 ms
 against t(8) = 108 ms with F.linear: below 4 rows the fp32 GEMM reads the weights once per row. Where t grows with
-q (a GPU; bf16 on a CPU that has it in hardware; that CPU in float32 with few_rows_linear), nothing is widened.
+q (a GPU; bf16 on a CPU that has it in hardware), nothing is widened; with few_rows_linear that CPU's t(q) is
+far flatter (t(3) 66 ms against t(4) 62: widened only where the measurement says so).
 
 Projections (`LeanRunner.choose_linear`): F.linear, or few_rows_linear ((W @ x.T).T, a single row doubled) where
 it measured faster on this machine: on that EPYC in float32 it made t(1) 36 ms against 65 (docs/evaluate.md).
@@ -35,6 +36,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from eyas.core.errors import EyasError
 from eyas.core.generate import FEW_ROWS, few_rows_linear, fuse_projections, layer_forward, supports
 
 LINEARS = {"torch": F.linear, "few-rows": few_rows_linear}
@@ -192,7 +194,7 @@ class LeanRunner(TargetRunner):
         self.capacity = 0
         self.k = self.v = None
         self._ensure(capacity)
-        self.linear_kind, self.linear_choice = "torch", "torch"  # how every projection is computed (LINEARS)
+        self.linear_kind, self.linear_choice = "torch", ""  # how every projection is computed (LINEARS), and why
         self.choose_linear(linear)
 
     @torch.inference_mode()
@@ -202,6 +204,9 @@ class LeanRunner(TargetRunner):
         LINEAR_MARGIN: a close call would flip between runs and, with it, the rounding of near-ties). Only float32
         on a CPU is measured: elsewhere the BLAS calls of F.linear are the fast ones. Sets and returns
         `linear_choice`, a line saying what was chosen and why."""
+        if how != "auto" and how not in LINEARS:
+            raise EyasError(f"projections {how!r} unknown", f"the lean runner computes them by {', '.join(LINEARS)}",
+                            "use one of those, or auto")
         if how != "auto":
             self.linear_kind, self.linear_choice = how, f"{how} (as asked)"
             return self.linear_choice
