@@ -1,4 +1,5 @@
-"""eyas.core.dist's device choice, as a GPU machine would see it (CUDA faked: this suite runs on CPUs)."""
+"""eyas.core.dist: the device choice, as a GPU machine would see it (CUDA faked: this suite runs on CPUs), and the
+process group's tear-down."""
 
 import pytest
 import torch
@@ -87,3 +88,43 @@ def test_a_target_loads_straight_onto_its_gpu(monkeypatch):
         with pytest.raises(RuntimeError, match="stop here"):
             load_target("smollm2-135m", device=device)
     assert asked[0].get("device_map") == "cuda:1" and "device_map" not in asked[1]
+
+
+def _shutdown_rank(rank: int, port: int, finished: bool, out) -> None:
+    import os
+    import time
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+    dist.init("cpu", timeout_s=60)
+    if rank == 1:
+        time.sleep(1.5)  # the slower rank still finishing its work
+    t0 = time.perf_counter()
+    dist.shutdown(finished)
+    out.put((rank, time.perf_counter() - t0))
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_a_finished_rank_waits_for_the_others_before_tearing_down(finished):
+    """After success every rank is expected, so the fast one waits for the slow one before closing its connections;
+    after a failure nobody waits (the others may never come)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_shutdown_rank, args=(r, port, finished, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(90)
+    assert [p.exitcode for p in procs] == [0, 0]
+    waited = dict(out.get(timeout=5) for _ in procs)
+    if finished:
+        assert waited[0] > 1.0  # rank 0 waited out rank 1's 1.5 s
+    else:
+        assert waited[0] < 1.0

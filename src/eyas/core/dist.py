@@ -118,9 +118,19 @@ def peer_failure(e: BaseException, env: DistEnv, fix: str) -> EyasError | None:
                      "timeout, or the network between them failed; no rank can go on without it", fix)
 
 
-def shutdown() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def shutdown(finished: bool = False) -> None:
+    """Tear the process group down. `finished`: this rank's work succeeded, so every rank is expected here: wait
+    for the others first, so no rank closes its connections while another still uses them (a gloo rank torn down
+    early once made its peer abort at exit, "terminate called without an active exception", after a complete
+    extraction). After a failure the others may never come, so then there is no wait."""
+    if not dist.is_initialized():
+        return
+    if finished:
+        try:
+            dist.barrier()
+        except RuntimeError:  # a peer died after its work: nothing left to wait for
+            pass
+    dist.destroy_process_group()
 
 
 def all_gather_objects(obj, env: DistEnv) -> list:

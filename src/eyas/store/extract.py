@@ -260,15 +260,18 @@ def run(cfg: ExtractConfig, *, target=None) -> dict:
     cfg = dataclasses.replace(cfg, dtype=SHORT[dtype])  # what the store records: never "auto"
     if why:
         con.print(why)
+    finished = False
     try:
-        return _run(cfg, env, con, target, cpu)
+        summary = _run(cfg, env, con, target, cpu)
+        finished = True
+        return summary
     except OSError as e:  # the store's index, manifest or summary (a shard says which it was)
         if (why := disk_full(e)) is None:
             raise
         raise EyasError(f"cannot write to {cfg.store}: {why}", "the store's disk is full", NO_SPACE_FIX) from None
     finally:
         if env.distributed:
-            dist.shutdown()
+            dist.shutdown(finished)
 
 
 def _run(cfg: ExtractConfig, env, con, target, cpu: Threads) -> dict:

@@ -473,8 +473,10 @@ class Trainer:
 def run(cfg: TrainConfig) -> dict | None:
     """Train; rank 0 returns the run's summary, other ranks None (so `--json` prints one line per run)."""
     env = dist.init(cfg.device)
+    finished = False
     try:
         summary = Trainer(cfg, env, console(env.rank, cfg.quiet, cfg.json)).fit()
+        finished = True
         return summary if env.is_main else None
     except Exception as e:
         err = explain_failure(e, cfg, env)
@@ -482,7 +484,7 @@ def run(cfg: TrainConfig) -> dict | None:
             raise
         raise err from None
     finally:
-        dist.shutdown()
+        dist.shutdown(finished)
 
 
 def explain_failure(e: Exception, cfg: TrainConfig, env) -> EyasError | None:
