@@ -6,6 +6,7 @@ import torch
 
 from eyas.core import dist
 from eyas.core.errors import EyasError
+from tests.ports import free_port
 
 
 @pytest.fixture
@@ -108,13 +109,9 @@ def _shutdown_rank(rank: int, port: int, finished: bool, out) -> None:
 def test_a_finished_rank_waits_for_the_others_before_tearing_down(finished):
     """After success every rank is expected, so the fast one waits for the slow one before closing its connections;
     after a failure nobody waits (the others may never come)."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_shutdown_rank, args=(r, port, finished, out)) for r in range(2)]

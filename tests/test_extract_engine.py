@@ -5,7 +5,6 @@ clear error. The real vLLM: tests/integration/test_vllm_extract.py."""
 
 import contextlib
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from eyas.core.target import load_target
 from eyas.store.engine import engine_command, vllm_layer_ids
 from eyas.store.extract import ENGINE_DIR, ExtractConfig, run
 from eyas.store.reader import StoreReader
+from tests.ports import free_port
 from tests.test_extract import manifest, write_prepared
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -53,12 +53,6 @@ FAKE_VLLM_DIE_AFTER={die_after} OMP_NUM_THREADS=1 exec {sys.executable} {FAKE} "
 """)
     script.chmod(0o755)
     return str(script)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cfg(prepared, store, folder, **kw) -> ExtractConfig:

@@ -19,7 +19,8 @@ from eyas.core.target import load_target
 from eyas.data.chat import ChatRenderer
 from eyas.data.engine import engine_paths
 from eyas.data.regenerate import RegenerateConfig, run
-from tests.test_extract_engine import engine_python, folder, free_port  # noqa: F401 (folder: a fixture)
+from tests.ports import free_port
+from tests.test_extract_engine import engine_python, folder  # noqa: F401 (folder: a fixture)
 from tests.test_regenerate import REPO, make_data, read_out
 
 pytestmark = pytest.mark.usefixtures("one_thread")

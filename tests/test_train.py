@@ -4,7 +4,6 @@ one process, a real learning signal, the run folder's files, online mode, refusa
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from eyas.draft.checkpoint import read_draft
 from eyas.store.reader import StoreReader
 from eyas.train.data import nested_share
 from eyas.train.trainer import TrainConfig, run
+from tests.ports import free_port
 from tests.train_fakes import write_store
 
 ENTRY = str(Path(__file__).parent / "train_entry.py")
@@ -29,12 +29,6 @@ VALIDATED = dict(val_fraction=0.2, epochs=2, checkpoint_every=4, keep_checkpoint
 @pytest.fixture(scope="module")
 def store(tiny_target, tmp_path_factory):
     return write_store(tiny_target, tmp_path_factory.mktemp("store") / "s", n=32)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def argv(cfg: dict) -> list[str]:

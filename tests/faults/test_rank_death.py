@@ -30,7 +30,8 @@ from tests.faults.helpers_faults import (
     tail,
     wait_for,
 )
-from tests.test_train import argv, free_port
+from tests.ports import free_port
+from tests.test_train import argv
 from tests.train_fakes import write_store
 
 SEED = 777

@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_VENV_PYTHON = "/tmp/vllm-venv/bin/python"
@@ -89,12 +89,6 @@ def smollm2_folder() -> Path:
 
 
 # -- the server ---------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _die_with_parent() -> None:
     """preexec: the server gets SIGKILL when pytest dies, however it dies (Linux only; elsewhere a no-op)."""
     with contextlib.suppress(Exception):

@@ -167,7 +167,7 @@ def vllm_processes() -> list[str]:
 
 
 def test_engine_vllm_answers_as_the_local_decoder_and_is_stopped(vllm_python, smollm2_folder, eyas, tmp_path):
-    from tests.integration.conftest import free_port
+    from tests.ports import free_port
 
     before = vllm_processes()
     out = tmp_path / "engine.jsonl"
