@@ -113,3 +113,28 @@ def test_every_stage_of_the_example_configs_is_a_valid_config(name, tmp_path):
     assert len(stages) >= 6 and len({s.name for s in stages}) == len(stages)
     trains = [s for s in stages if s.command == "train"]
     assert trains and all(s.nproc == 2 and s.settings["resume"] for s in trains)
+
+
+FINISH = """
+import atexit, sys
+import eyas.core.dist  # a stage that can run distributed has loaded it
+from eyas.cli import finish
+atexit.register(lambda: sys.stderr.write("finalized\\n"))
+print("summary", end="")  # block-buffered into a pipe: lost unless finish flushes it
+finish(3)
+"""
+
+
+@pytest.mark.parametrize("world_size", ["1", "2"])
+def test_a_torchrun_rank_exits_without_interpreter_finalization_and_loses_no_output(world_size):
+    """A rank (WORLD_SIZE > 1) leaves through os._exit, skipping finalization (where a rank of a finished 2-rank
+    extraction once aborted in CI), with its code and its buffered output; one process exits normally."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "WORLD_SIZE": world_size}
+    out = subprocess.run([sys.executable, "-c", FINISH], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 3
+    assert out.stdout == "summary"
+    assert ("finalized" in out.stderr) == (world_size == "1")

@@ -1,3 +1,3 @@
-from eyas.cli import main
+from eyas.cli import entry
 
-raise SystemExit(main())
+entry()

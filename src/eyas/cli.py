@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import shlex
 import sys
 
@@ -69,6 +71,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"eyas: interrupted; completed work is kept. To resume: {resume_command(command, argv)}",
               file=sys.stderr)
         return 130
+
+
+def entry() -> None:
+    """The process's entry point (the `eyas` script, `python -m eyas`, each torchrun rank): run, then exit."""
+    finish(main())
+
+
+def finish(code: int) -> None:
+    """End the process with `code`. A torchrun rank leaves through os._exit once its output is flushed: its work
+    is done and written, and interpreter finalization, where torch may release tensors from its own C++ threads,
+    once aborted a rank of a complete 2-rank extraction in CI ("terminate called without an active exception",
+    pytorch#190489), which made torchrun fail a finished stage. A single process exits normally."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    dist = sys.modules.get("eyas.core.dist")  # loaded only by a stage that can run distributed
+    if dist is not None and dist.read_env().distributed:
+        logging.shutdown()
+        os._exit(code)
+    raise SystemExit(code)
 
 
 def resume_command(command: str | None, argv: list[str]) -> str:

@@ -121,10 +121,8 @@ def peer_failure(e: BaseException, env: DistEnv, fix: str) -> EyasError | None:
 def shutdown(finished: bool = False) -> None:
     """Tear the process group down. `finished`: this rank's work succeeded, so every rank is expected here: wait
     for the others first, so that no rank closes its connections while another still uses them and the ranks
-    leave together. After a failure the others may never come, so then there is no wait. (Once, in CI, a rank of
-    a complete 2-rank extraction aborted at exit, "terminate called without an active exception"; this wait is a
-    mitigation, not a proven cure: the likelier cause is torch releasing a tensor from a C++ thread during
-    interpreter finalization, pytorch#190489.)"""
+    leave together. After a failure the others may never come, so then there is no wait. (A rank then leaves
+    through eyas.cli.finish, which skips interpreter finalization, where a rank once aborted in CI.)"""
     if not dist.is_initialized():
         return
     if finished:

@@ -4,4 +4,4 @@ import sys
 
 from eyas import cli
 
-sys.exit(cli.main(["train", *sys.argv[1:]]))
+cli.finish(cli.main(["train", *sys.argv[1:]]))
