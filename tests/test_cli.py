@@ -100,7 +100,7 @@ def test_a_dtype_from_a_toml_table_is_normalised_or_refused():
         from_mapping(TrainConfig, {"dtype": "int4"})
 
 
-@pytest.mark.parametrize("name", ["smollm2-recipe", "smollm2-ablations"])
+@pytest.mark.parametrize("name", ["smollm2-recipe", "smollm2-ablations", "smollm2-magpie"])
 def test_every_stage_of_the_example_configs_is_a_valid_config(name, tmp_path):
     """The examples are what `eyas run` is told to run for hours: a misspelt or removed setting must fail here."""
     from pathlib import Path
