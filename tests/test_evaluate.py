@@ -9,7 +9,7 @@ import pytest
 from eyas.core.errors import EyasError
 from eyas.core.paths import shared_data_dir
 from eyas.draft.checkpoint import save_draft
-from eyas.speculate.evaluate import EvalConfig, load_bench
+from eyas.speculate.evaluate import EvalConfig, load_bench, short_names
 from eyas.speculate.report import method_figures
 from tests.speculate_helpers import trained_draft
 
@@ -208,3 +208,9 @@ def test_tie_tolerance_is_the_rounding_of_the_runs_dtype():
     assert tie_tolerance(torch.bfloat16, -40.0) == 4 * 2.0 ** -2
     assert tie_tolerance(torch.float16, 15.0) == 4 * 2.0 ** -7
     assert tie_tolerance(torch.float32, 15.0) == FP32_TIE * 15.0
+
+
+def test_drafts_are_named_by_the_fewest_trailing_parts_that_tell_them_apart(tmp_path):
+    a, b, c = (str(tmp_path / p) for p in ("run/train/final", "run/mix/train/final", "other/curve/1of8/final"))
+    assert short_names([a, b, c]) == {a: "run/train/final", b: "mix/train/final", c: "1of8/final"}
+    assert short_names([a]) == {a: "train/final"}

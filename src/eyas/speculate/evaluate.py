@@ -247,10 +247,23 @@ def build_methods(cfg: EvalConfig, draft, extra: dict, latency: dict, vocab: int
             methods.append(Method(f"oracle k={k}", OracleDrafter(k, vocab=vocab), None, "chain", k, b))
         elif b not in ("none", ""):
             k = longest
-            label = "/".join(Path(b).resolve().parts[-2:])  # run/final, not just final
+            label = short_names([cfg.draft, *cfg.baselines])[b]
             methods.append(Method(f"{label} chain k={k}", Eagle3Drafter(extra[b], k=k, name=b), ctl(k),
                                   "chain", k, b))
     return methods
+
+
+def short_names(paths: list[str]) -> dict[str, str]:
+    """Each draft folder by the fewest trailing parts, at least two (run/final, not just final), that tell it from
+    every other folder given (runs/a/train/final and runs/a/mix/train/final: train/final, mix/train/final)."""
+    parts = {p: Path(p).resolve().parts for p in paths}
+    names = {}
+    for p, mine in parts.items():
+        n = 2
+        while n < len(mine) and any(o != mine and o[-n:] == mine[-n:] for o in parts.values()):
+            n += 1
+        names[p] = "/".join(mine[-n:])
+    return names
 
 
 def hf_generate(target, prompt: list[int], max_new: int, temperature: float, stop: set[int], seed: int):
