@@ -137,3 +137,15 @@ def test_an_engine_keeps_the_users_binding_and_count(monkeypatch):
     fake.others = 0.0
     env, _ = cpu_env(ranks_on_node=2)  # two engines on 2 free cores: one thread each, unbound (vLLM would bind
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and env["OMP_NUM_THREADS"] == "1"  # both to every core)
+
+
+def test_an_engine_on_a_cpu_reuses_its_compile_cache_unless_the_user_chose(monkeypatch):
+    """vLLM 0.32.0's CPU build cannot load its own ahead-of-time artifact and compiles again at every start: eyas
+    turns that path off (torch.compile's ordinary cache is reused) unless VLLM_USE_AOT_COMPILE is the user's."""
+    from eyas.core.engine import cpu_env
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    assert cpu_env()[0]["VLLM_USE_AOT_COMPILE"] == "0"
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
+    assert "VLLM_USE_AOT_COMPILE" not in cpu_env()[0]

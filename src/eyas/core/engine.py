@@ -105,10 +105,16 @@ def cpu_env(ranks_on_node: int = 1) -> tuple[dict, str]:
       up the others (0.30x of its quiet throughput beside one, docs/regenerate.md). So vLLM keeps its binding only
       where the engine gets every core; where fewer are free, or several engines share the node, it gets its
       count of threads, unbound (VLLM_CPU_OMP_THREADS_BIND=nobind, OMP_NUM_THREADS), and the scheduler places
-      them beside the other work. A VLLM_CPU_OMP_THREADS_BIND of the user's is kept."""
+      them beside the other work. A VLLM_CPU_OMP_THREADS_BIND of the user's is kept;
+    - torch.compile's ordinary cache rather than vLLM's ahead-of-time artifact (VLLM_USE_AOT_COMPILE=0): vLLM
+      0.32.0's CPU build saves that artifact but cannot load it ("'function' object has no attribute
+      'finalize_loading'") and compiles again at every start, where the ordinary cache is reused (SmolLM2-135M,
+      AMD EPYC 2 cores: a second start in 40 s against 79-80 s, the same tokens/s; docs/regenerate.md)."""
     if torch.cuda.is_available():
         return {}, ""
     env = {} if "VLLM_CPU_KVCACHE_SPACE" in os.environ else {"VLLM_CPU_KVCACHE_SPACE": CPU_KV_CACHE_GIB}
+    if "VLLM_USE_AOT_COMPILE" not in os.environ:
+        env["VLLM_USE_AOT_COMPILE"] = "0"
     if "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ and len(os.sched_getaffinity(0)) <= FEW_CORES:
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
     if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
