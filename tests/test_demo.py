@@ -259,3 +259,17 @@ def test_a_failed_torchrun_stage_names_the_rank_that_died_first(tmp_path, monkey
     with pytest.raises(EyasError, match="see the log") as e:
         runner._launch_torchrun(Stage("extract", "extract", {}, nproc=2), types.SimpleNamespace(store=str(tmp_path)),
                                 tmp_path / "extract.log", Console(quiet=True))
+
+
+def test_the_demos_last_lines_set_its_draft_beside_prompt_lookup(tmp_path):
+    """A newcomer reads the demo's small tau beside the untrained yardstick and where a real draft is trained."""
+    from eyas.pipeline.demo import _final_lines
+
+    ok = {"checked": True, "identical": True}
+    configs = [{"name": "eagle3 chain k=3", "drafter": "eagle3", "tau": 1.03, "speedup": 1.02, "lossless": ok},
+               {"name": "prompt-lookup k=7", "drafter": "prompt-lookup", "tau": 1.48, "speedup": 1.28, "lossless": ok}]
+    lines = _final_lines({"evaluate": {"configs": configs}, "report": {"path": "r.html"}}, tmp_path)
+    assert lines[1].startswith("draft eagle3 chain k=3: acceptance length tau 1.03, speedup 1.02x")
+    assert lines[2].startswith("prompt lookup (no training) on the same prompts: tau 1.48, 1.28x.")
+    assert "examples/smollm2-recipe.toml" in lines[2] and lines[3] == "report: r.html"
+    assert len(_final_lines({"evaluate": {"configs": configs[:1]}}, tmp_path)) == 2  # no yardstick, no line

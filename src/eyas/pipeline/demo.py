@@ -118,6 +118,12 @@ def _final_lines(summaries: dict, run: Path) -> list[str]:
                    else "yes (every token the target's top-1; near-ties rounded otherwise than plain greedy)")
         lines.append(f"draft {best['name']}: acceptance length tau {best['tau']:.2f}, "
                      f"speedup {best['speedup']:.2f}x over plain greedy decoding, lossless: {verdict}")
+    lookup = [c for c in configs if c.get("drafter") == "prompt-lookup"]
+    if drafted and lookup:  # the yardstick a newcomer needs beside a demo draft's small figures
+        pl = lookup[0]
+        lines.append(f"prompt lookup (no training) on the same prompts: tau {pl['tau']:.2f}, {pl['speedup']:.2f}x. "
+                     "The demo's draft learns from a few hundred conversations in minutes: it shows the pipeline, "
+                     "not a draft worth serving; docs/recipe.md trains one (eyas run examples/smollm2-recipe.toml)")
     rep = summaries.get("report") or {}
     if rep.get("path"):
         lines.append(f"report: {rep['path']}")
