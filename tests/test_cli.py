@@ -121,20 +121,22 @@ import eyas.core.dist  # a stage that can run distributed has loaded it
 from eyas.cli import finish
 atexit.register(lambda: sys.stderr.write("finalized\\n"))
 print("summary", end="")  # block-buffered into a pipe: lost unless finish flushes it
-finish(3)
+finish(int(sys.argv[1]))
 """
 
 
-@pytest.mark.parametrize("world_size", ["1", "2"])
-def test_a_torchrun_rank_exits_without_interpreter_finalization_and_loses_no_output(world_size):
-    """A rank (WORLD_SIZE > 1) leaves through os._exit, skipping finalization (where a rank of a finished 2-rank
-    extraction once aborted in CI), with its code and its buffered output; one process exits normally."""
+@pytest.mark.parametrize("world_size,code,finalized", [("1", 0, True), ("2", 0, False), ("2", 2, True)])
+def test_a_torchrun_rank_that_succeeded_exits_without_interpreter_finalization(world_size, code, finalized):
+    """A rank (WORLD_SIZE > 1) whose work succeeded leaves through os._exit, skipping finalization (where a rank
+    of a finished 2-rank extraction once aborted in CI), with its code and its buffered output; a rank that failed
+    and a single process exit normally."""
     import os
     import subprocess
     import sys
 
     env = {**os.environ, "WORLD_SIZE": world_size}
-    out = subprocess.run([sys.executable, "-c", FINISH], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 3
+    out = subprocess.run([sys.executable, "-c", FINISH, str(code)], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == code
     assert out.stdout == "summary"
-    assert ("finalized" in out.stderr) == (world_size == "1")
+    assert ("finalized" in out.stderr) == finalized

@@ -79,14 +79,16 @@ def entry() -> None:
 
 
 def finish(code: int) -> None:
-    """End the process with `code`. A torchrun rank leaves through os._exit once its output is flushed: its work
-    is done and written, and interpreter finalization, where torch may release tensors from its own C++ threads,
-    once aborted a rank of a complete 2-rank extraction in CI ("terminate called without an active exception",
-    pytorch#190489), which made torchrun fail a finished stage. A single process exits normally."""
+    """End the process with `code`. A torchrun rank whose work succeeded leaves through os._exit once its output
+    is flushed: its work is done and written, and interpreter finalization, where torch may release tensors from
+    its own C++ threads, once aborted a rank of a complete 2-rank extraction in CI ("terminate called without an
+    active exception", pytorch#190489), which made torchrun fail a finished stage. A rank that failed exits
+    normally: one that lost a killed peer would otherwise be gone within milliseconds of it, and torchrun would
+    name it, not the killed rank, as the root cause. A single process exits normally."""
     sys.stdout.flush()
     sys.stderr.flush()
     dist = sys.modules.get("eyas.core.dist")  # loaded only by a stage that can run distributed
-    if dist is not None and dist.read_env().distributed:
+    if code == 0 and dist is not None and dist.read_env().distributed:
         logging.shutdown()
         os._exit(code)
     raise SystemExit(code)
