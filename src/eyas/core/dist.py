@@ -121,8 +121,9 @@ def peer_failure(e: BaseException, env: DistEnv, fix: str) -> EyasError | None:
 def shutdown(finished: bool = False) -> None:
     """Tear the process group down. `finished`: this rank's work succeeded, so every rank is expected here: wait
     for the others first, so that no rank closes its connections while another still uses them and the ranks
-    leave together. After a failure the others may never come, so then there is no wait. (A rank then leaves
-    through eyas.cli.finish, which skips interpreter finalization, where a rank once aborted in CI.)"""
+    leave together. After a failure the others may never come, so then there is no wait. (A rank whose work
+    succeeded then leaves through eyas.cli.finish, which skips interpreter finalization, where a rank once
+    aborted in CI.)"""
     if not dist.is_initialized():
         return
     if finished:

@@ -227,6 +227,7 @@ def build_methods(cfg: EvalConfig, draft, extra: dict, latency: dict, vocab: int
     ctl = (lambda kmax, size=None: Controller(latency, kmax, size)) if cfg.adaptive else (lambda *a: None)
     methods = []
     longest = max(cfg.chain or (cfg.tree_depth,))  # the chain other drafters run beside the draft's
+    names = short_names([cfg.draft, *extra])  # extra: the baseline draft folders, loaded
     for k in cfg.chain:
         methods.append(Method(f"eagle3 chain k={k}", Eagle3Drafter(draft, k=k), ctl(k), "chain", k, "eagle3"))
     if cfg.tree:
@@ -247,8 +248,7 @@ def build_methods(cfg: EvalConfig, draft, extra: dict, latency: dict, vocab: int
             methods.append(Method(f"oracle k={k}", OracleDrafter(k, vocab=vocab), None, "chain", k, b))
         elif b not in ("none", ""):
             k = longest
-            label = short_names([cfg.draft, *cfg.baselines])[b]
-            methods.append(Method(f"{label} chain k={k}", Eagle3Drafter(extra[b], k=k, name=b), ctl(k),
+            methods.append(Method(f"{names[b]} chain k={k}", Eagle3Drafter(extra[b], k=k, name=b), ctl(k),
                                   "chain", k, b))
     return methods
 
