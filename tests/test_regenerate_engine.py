@@ -3,6 +3,7 @@ generation with transformers): the replies equal the local backend's, the prompt
 ones, the engine is always stopped and its log kept, and every refusal is a clear error. The real vLLM:
 tests/integration/test_vllm_regenerate.py."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -165,3 +166,43 @@ def test_a_request_to_the_engine_may_take_its_share_of_a_slow_engine():
     assert 320 * 128 / 68 > 300 and engine_timeout(300, 320, 128) == 320 * 128 / ENGINE_FLOOR_TPS > 320 * 128 / 68
     assert engine_timeout(300, 5, 3) == 300  # a short reply keeps --timeout
     assert engine_timeout(3000, 320, 128) == 3000  # a longer --timeout stands
+
+
+def test_a_runs_consecutive_engine_stages_share_one_engine(folder, tmp_path, monkeypatch):  # noqa: F811
+    """`eyas run`: two regenerate stages that would start the same vLLM server get one (started by the first, no
+    start-up for the second), each stage's replies equal its own run's, and the engine is stopped before a stage
+    of another kind runs; a third stage with another engine setting starts its own."""
+    from eyas.core.log import Console
+    from eyas.pipeline.runner import Stage, run_pipeline
+
+    data, r = make_data(tmp_path, 4), tmp_path / "run"
+    opts = {**engine(tmp_path), "data": [str(data)], "target": str(folder), "quiet": True}
+    group = {}
+
+    def prepare_stage(cfg):  # a stage of another kind: the shared engine must be stopped by now
+        group["alive_at_prepare"] = alive(int((engine_paths(Path(opts_a["out"]))[0] / GROUP_FILE).read_text()))
+        return {}
+
+    opts_a = {**opts, "out": f"{r}/a.jsonl", "max_new_tokens": 5}
+    stages = [Stage("regenerate-a", "regenerate", opts_a),
+              Stage("regenerate-b", "regenerate", {**opts, "out": f"{r}/b.jsonl", "max_new_tokens": 7}),
+              Stage("regenerate-c", "regenerate", {**opts, "out": f"{r}/c.jsonl", "max_new_tokens": 7, "seed": 1}),
+              Stage("prepare", "prepare", {"out": f"{r}/prepared"})]
+    @dataclasses.dataclass(frozen=True)
+    class Other:
+        out: str = ""
+
+    monkeypatch.setattr("eyas.pipeline.runner.load_stage",
+                        lambda c: (RegenerateConfig, run) if c == "regenerate" else (Other, prepare_stage))
+    out = run_pipeline(stages, r, Console(quiet=True))
+    assert [out[s]["done"] for s in ("regenerate-a", "regenerate-b", "regenerate-c")] == [4, 4, 4]
+    log_a, log_b, log_c = (engine_paths(Path(f"{r}/{n}.jsonl"))[1] for n in "abc")
+    assert log_a.read_text().count("fake vllm: serving") == 1 and not log_b.exists()  # one start for a and b
+    assert log_c.read_text().count("fake vllm: serving") == 1  # another seed: its own engine
+    assert group["alive_at_prepare"] is False
+    for name, new in (("b", 7), ("a", 5)):  # each stage's own settings, through the one engine
+        alone = run(config(data, tmp_path / f"{name}-alone.jsonl", folder, max_new_tokens=new,
+                           **engine(tmp_path, f"env-{name}")))
+        assert alone["done"] == 4
+        assert ({c["id"]: c["messages"] for c in read_out(Path(f"{r}/{name}.jsonl"))}
+                == {c["id"]: c["messages"] for c in read_out(tmp_path / f"{name}-alone.jsonl")})

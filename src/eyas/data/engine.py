@@ -52,36 +52,83 @@ def engine_paths(out: Path) -> tuple[Path, Path]:
     return out.with_name(f".{out.name}.engine"), out.with_name(out.name + ".engine.log")
 
 
-class EngineBackend(ServerBackend):
-    """The target served by a vLLM server of this run's own; answers a conversation's turns by token ids."""
+def engine_key(cfg: EngineSettings) -> tuple:
+    """What the server a stage starts depends on: stages of one run with the same key can share one."""
+    return (cfg.target, cfg.dtype, cfg.seed, cfg.trust_remote_code, vllm_python(cfg.engine_python), cfg.engine_args,
+            cfg.engine_port, cfg.engine_startup_s, cfg.timeout)
 
-    def __init__(self, cfg: EngineSettings, con):
-        model, revision = engine_model(cfg.target)
-        python = vllm_python(cfg.engine_python)
-        version = check_vllm(python)
+
+def start_engine(cfg: EngineSettings, con) -> Server:
+    """Start the stage's vLLM server (its log and process-group record beside --out) and wait until it serves."""
+    model, revision = engine_model(cfg.target)
+    python = vllm_python(cfg.engine_python)
+    version = check_vllm(python)
+    args = ["--dtype", cfg.dtype, "--seed", str(cfg.seed), "--generation-config", "vllm", *revision,
+            *cfg.engine_args.split()]
+    home, log = engine_paths(Path(cfg.out))
+    argv = server_argv(python, model, cfg.engine_port, args)
+    env, threads = cpu_env()
+    con.print(f"engine: starting vLLM {version} on port {cfg.engine_port} (log {log})"
+              + (f", {' '.join(f'{k}={v}' for k, v in env.items())} (CPU defaults; set them to change)"
+                 if env else "") + "; by hand: " + " ".join(argv))
+    if threads:
+        con.print(threads)
+    bar = con.progress(desc="vLLM start", unit="poll", bar_format="{desc}: {elapsed}{postfix}")
+
+    def waiting(line: str) -> None:  # the engine log's last line beside the clock, one refresh per poll
+        bar.set_postfix_str(line[:70], refresh=False)
+        bar.update()
+
+    try:
+        return Server.start(argv, home, log, cfg.engine_port, cfg.engine_startup_s, cfg.timeout, env,
+                            task="regeneration", on_wait=waiting)
+    finally:
+        bar.close()
+
+
+class SharedEngine:
+    """One engine kept for consecutive stages of a run (`eyas run`) that would each start the same one: the second
+    and later ones skip a start-up (40-115 s for SmolLM2-135M on a two-core CPU, docs/regenerate.md). `serve(cfg)`
+    gives the running server when its key matches, else stops it and starts the stage's own; `close()` (also on
+    leaving a `with`) stops it, so it never outlives the stages that use it."""
+
+    def __init__(self):
+        self.key: tuple | None = None
+        self.server: Server | None = None
+        self.started_by = ""  # the output of the stage that started it (its log is beside it)
+
+    def serve(self, cfg: EngineSettings, con) -> Server:
+        key = engine_key(cfg)
+        if self.server is not None and key == self.key and self.server.proc.poll() is None:
+            con.print(f"engine: the vLLM server started for {self.started_by} answers this stage too "
+                      f"(no start-up; log {self.server.log})")
+            return self.server
+        self.close()
+        self.server, self.key, self.started_by = start_engine(cfg, con), key, cfg.out
+        return self.server
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        self.server = self.key = None
+
+    def __enter__(self) -> SharedEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class EngineBackend(ServerBackend):
+    """The target served by a vLLM server of this run's own; answers a conversation's turns by token ids. With
+    `shared`, the server comes from it and is left running for the run's next stage; else it is started here and
+    stopped by `close()`."""
+
+    def __init__(self, cfg: EngineSettings, con, shared: SharedEngine | None = None):
         self.renderer = ChatRenderer(load_tokenizer(cfg.target, cfg.trust_remote_code))
         self.stops = self.renderer.stop_token_ids()
-        args = ["--dtype", cfg.dtype, "--seed", str(cfg.seed), "--generation-config", "vllm", *revision,
-                *cfg.engine_args.split()]
-        home, log = engine_paths(Path(cfg.out))
-        argv = server_argv(python, model, cfg.engine_port, args)
-        env, threads = cpu_env()
-        con.print(f"engine: starting vLLM {version} on port {cfg.engine_port} (log {log})"
-                  + (f", {' '.join(f'{k}={v}' for k, v in env.items())} (CPU defaults; set them to change)"
-                     if env else "") + "; by hand: " + " ".join(argv))
-        if threads:
-            con.print(threads)
-        bar = con.progress(desc="vLLM start", unit="poll", bar_format="{desc}: {elapsed}{postfix}")
-
-        def waiting(line: str) -> None:  # the engine log's last line beside the clock, one refresh per poll
-            bar.set_postfix_str(line[:70], refresh=False)
-            bar.update()
-
-        try:
-            self.server = Server.start(argv, home, log, cfg.engine_port, cfg.engine_startup_s, cfg.timeout,
-                                       env, task="regeneration", on_wait=waiting)
-        finally:
-            bar.close()
+        self.own = shared is None
+        self.server = start_engine(cfg, con) if self.own else shared.serve(cfg, con)
         self.max_prompt = prompt_limit(self.server.max_model_len, cfg)
         super().__init__(cfg, con, url=self.server.url + "/v1/completions", model=self.server.model,
                          concurrency=cfg.concurrency or ENGINE_CONCURRENCY)
@@ -118,4 +165,5 @@ class EngineBackend(ServerBackend):
         return Reply(text, tokens, cut=not (stopped or choice.get("finish_reason") == "stop"))
 
     def close(self) -> None:
-        self.server.close()
+        if self.own:
+            self.server.close()

@@ -33,7 +33,7 @@ from eyas.core.errors import EyasError, Incomplete
 from eyas.core.log import console, fmt_duration, fmt_int
 from eyas.core.precision import choose_dtype
 from eyas.core.target import DEFAULT_TARGET
-from eyas.data.engine import ENGINE_CONCURRENCY, EngineBackend
+from eyas.data.engine import ENGINE_CONCURRENCY, EngineBackend, SharedEngine
 from eyas.data.formats import (
     Conversation,
     Issues,
@@ -145,7 +145,9 @@ def first_turns(conv: Conversation, n: int) -> Conversation:
     return dataclasses.replace(conv, messages=conv.messages[:users[n]])
 
 
-def run(cfg: RegenerateConfig) -> dict:
+def run(cfg: RegenerateConfig, shared: SharedEngine | None = None) -> dict:
+    """The stage. `shared`: with --engine vllm, the server comes from it and is left running (`eyas run` keeps one
+    for consecutive stages that would start the same one); else the stage starts and stops its own."""
     con = console(0, cfg.quiet, cfg.json)
     out = Path(cfg.out)
     if out.is_dir():
@@ -159,7 +161,7 @@ def run(cfg: RegenerateConfig) -> dict:
             con.print(why)
     lock = lock_output(out)
     try:
-        return _run(cfg, con, out)
+        return _run(cfg, con, out, shared)
     finally:
         lock.close()
 
@@ -185,7 +187,7 @@ def check_settings(cfg: RegenerateConfig, out: Path, model: str, con) -> None:
     keep_settings(out, generation_settings(cfg, model), con, "replies")
 
 
-def _run(cfg: RegenerateConfig, con, out: Path) -> dict:
+def _run(cfg: RegenerateConfig, con, out: Path, shared: SharedEngine | None) -> dict:
     if cfg.overwrite:
         start_anew(out)
     done = read_done(out, con)
@@ -199,7 +201,7 @@ def _run(cfg: RegenerateConfig, con, out: Path) -> dict:
             check_settings(cfg, out, backend.name, con)
         else:  # checked before minutes go into loading the target or starting an engine
             check_settings(cfg, out, cfg.target, con)
-            backend = EngineBackend(cfg, con) if cfg.engine == "vllm" else local_backend(cfg, con, len(todo))
+            backend = EngineBackend(cfg, con, shared) if cfg.engine == "vllm" else local_backend(cfg, con, len(todo))
     con.print(f"regenerate: {fmt_int(len(todo))} conversations to do, {fmt_int(skipped)} already in {out}")
     bar = con.progress(total=len(todo), desc="regenerate", unit="conv")
     sink = Sink(out, bar)

@@ -23,6 +23,7 @@ from eyas.core.errors import EyasError
 from eyas.core.files import move_aside, read_json, write_json
 from eyas.core.log import Console, fmt_duration
 from eyas.core.threads import OMP_DEFAULTED
+from eyas.data.engine import SharedEngine
 from eyas.doctor.diagnose import crash_cause
 from eyas.pipeline.commands import load_stage
 from eyas.store.extract import SUMMARY_FILE as EXTRACT_SUMMARY
@@ -110,9 +111,15 @@ def _launch_torchrun(stage: Stage, cfg, log_path: Path, con: Console) -> dict:
     return read_json(summary_path, f"see the log {log_path}, and rerun the stage")
 
 
-def run_stage(stage: Stage, run_dir: Path, con: Console, force: bool = False, upstream: tuple[Stage, ...] = ()) -> dict:
+def shares_engine(stage: Stage) -> bool:
+    """A stage that can take its vLLM server from the run's SharedEngine: regenerate --engine vllm, one process."""
+    return stage.command == "regenerate" and stage.nproc == 1 and stage.settings.get("engine") == "vllm"
+
+
+def run_stage(stage: Stage, run_dir: Path, con: Console, force: bool = False, upstream: tuple[Stage, ...] = (),
+              engine: SharedEngine | None = None) -> dict:
     """Run one stage, or skip it when it finished with the same settings after every stage in `upstream` (those
-    whose output it reads) finished."""
+    whose output it reads) finished. `engine`: the run's shared vLLM server, for a stage that shares_engine."""
 
     marker = run_dir / "stages" / f"{stage.name}.json"
     key = settings_key(stage)
@@ -139,6 +146,8 @@ def run_stage(stage: Stage, run_dir: Path, con: Console, force: bool = False, up
     t0 = time.perf_counter()
     if stage.nproc > 1:
         summary = _launch_torchrun(stage, cfg, run_dir / "logs" / f"{stage.name}.log", con)
+    elif engine is not None and shares_engine(stage):
+        summary = run(cfg, engine)
     else:
         summary = run(cfg)
     elapsed = time.perf_counter() - t0
@@ -164,8 +173,15 @@ def _clear(stage: Stage, run_dir: Path, con: Console, why: str) -> None:
 
 
 def run_pipeline(stages: list[Stage], run_dir: Path, con: Console, force: bool = False) -> dict[str, dict]:
+    """Every stage in order. Consecutive regenerate stages through vLLM that would start the same server share
+    one, started by the first and stopped before any other stage runs (and on every way out)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
     write_json(run_dir / "pipeline.json", [dataclasses.asdict(s) for s in stages])
-    return {s.name: run_stage(s, run_dir, con, force, tuple(u for u in stages[:i] if reads(s, u)))
-            for i, s in enumerate(stages)}
+    summaries = {}
+    with SharedEngine() as engine:
+        for i, s in enumerate(stages):
+            if not shares_engine(s):
+                engine.close()  # the next stages need the memory and cores
+            summaries[s.name] = run_stage(s, run_dir, con, force, tuple(u for u in stages[:i] if reads(s, u)), engine)
+    return summaries
