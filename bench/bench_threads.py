@@ -115,7 +115,7 @@ def rank_main(rank: int, world: int, port: int, target_name: str, name: str, sec
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     tdist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        n, _ = Threads(ranks_on_node=world).apply()
+        n, _ = Threads(ranks_on_node=world, slot=rank).apply()  # as extract and train: one rank per core, pinned
         env = DistEnv(rank=rank, world_size=world, local_rank=rank, local_world_size=world, backend="gloo")
         target = load_target(target_name, dtype="bfloat16")
         fn, work, _ = kernels(target, [name], env)[name]

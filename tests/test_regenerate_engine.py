@@ -199,6 +199,8 @@ def test_a_runs_consecutive_engine_stages_share_one_engine(folder, tmp_path, mon
     log_a, log_b, log_c = (engine_paths(Path(f"{r}/{n}.jsonl"))[1] for n in "abc")
     assert log_a.read_text().count("fake vllm: serving") == 1 and not log_b.exists()  # one start for a and b
     assert log_c.read_text().count("fake vllm: serving") == 1  # another seed: its own engine
+    home_a, home_b = (engine_paths(Path(f"{r}/{n}.jsonl"))[0] for n in "ab")  # b records the engine it used, so a
+    assert (home_b / GROUP_FILE).read_text() == (home_a / GROUP_FILE).read_text()  # rerun from b stops leftovers
     assert group["alive_at_prepare"] is False
     for name, new in (("b", 7), ("a", 5)):  # each stage's own settings, through the one engine
         alone = run(config(data, tmp_path / f"{name}-alone.jsonl", folder, max_new_tokens=new,

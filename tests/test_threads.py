@@ -149,3 +149,19 @@ def test_an_engine_on_a_cpu_reuses_its_compile_cache_unless_the_user_chose(monke
     assert cpu_env()[0]["VLLM_USE_AOT_COMPILE"] == "0"
     monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
     assert "VLLM_USE_AOT_COMPILE" not in cpu_env()[0]
+
+
+def test_one_rank_per_core_stays_on_its_core(monkeypatch):
+    """As many ranks on the node as cores, one thread each: rank `slot` is pinned to the slot-th core; with more
+    cores than ranks, on a GPU, or alone, nothing is pinned."""
+    pinned = []
+    monkeypatch.setattr(th.os, "sched_setaffinity", lambda pid, cpus: pinned.append((pid, set(cpus))))
+    FakeStat(monkeypatch, cores=2)
+    n, why = th.Threads(0, 2, "cpu", slot=1).apply()
+    assert n == 1 and pinned == [(0, {1})] and why.endswith("on core 1 (one rank per core)")
+    pinned.clear()
+    for cpu in (th.Threads(0, 2, "cuda:1", slot=1), th.Threads(0, 1, "cpu", slot=0), th.Threads(0, 2, "cpu")):
+        cpu.apply()
+    FakeStat(monkeypatch, cores=4)
+    assert th.Threads(0, 2, "cpu", slot=1).apply()[0] == 2  # two threads a rank: not pinned
+    assert pinned == []

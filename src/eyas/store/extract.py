@@ -250,7 +250,7 @@ def run(cfg: ExtractConfig, *, target=None) -> dict:
     env = dist.init("cpu" if cfg.engine == "vllm" else cfg.device)
     con = console(env.rank, cfg.quiet, cfg.json)
     tune_allocator()
-    cpu = Threads(cfg.threads, env.local_world_size, env.device)
+    cpu = Threads(cfg.threads, env.local_world_size, env.device, env.local_rank)
     n, why = cpu.apply()
     alone = env.device == "cpu" and cfg.engine != "vllm" and not env.distributed and len(cpu.cores) > 1
     con.print(f"threads: {n} per rank ({why})" + (f"; one rank per core keeps more speed beside other work: "

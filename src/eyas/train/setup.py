@@ -162,7 +162,7 @@ def tune_process(threads: int, env) -> Threads:
     freed memory (eyas.core.memory.tune_allocator: otherwise every step page-faults its large logit buffers in
     again; measured here 2-3x slower casts and weight-gradient matmuls)."""
     tune_allocator()
-    cpu = Threads(threads, env.local_world_size, env.device)
+    cpu = Threads(threads, env.local_world_size, env.device, env.local_rank)
     cpu.apply()
     return cpu
 
