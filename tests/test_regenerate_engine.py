@@ -188,6 +188,7 @@ def test_a_runs_consecutive_engine_stages_share_one_engine(folder, tmp_path, mon
               Stage("regenerate-b", "regenerate", {**opts, "out": f"{r}/b.jsonl", "max_new_tokens": 7}),
               Stage("regenerate-c", "regenerate", {**opts, "out": f"{r}/c.jsonl", "max_new_tokens": 7, "seed": 1}),
               Stage("prepare", "prepare", {"out": f"{r}/prepared"})]
+
     @dataclasses.dataclass(frozen=True)
     class Other:
         out: str = ""

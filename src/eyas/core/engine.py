@@ -174,7 +174,7 @@ class Server:
             proc = subprocess.Popen([*argv, "--served-model-name", name], stdout=out, stderr=subprocess.STDOUT,
                                     env={**os.environ, **(env or {})}, start_new_session=True,
                                     preexec_fn=_die_with_parent)
-        (home / GROUP_FILE).write_text(str(proc.pid))  # its process group, for a rerun after eyas was killed
+        record_group(home, proc.pid)
         try:
             return cls._wait(proc, f"http://127.0.0.1:{port}", log, startup_s, timeout, name, task, on_wait)
         except BaseException:
@@ -264,6 +264,12 @@ def _die_with_parent() -> None:
     kills them, `stop_leftovers`). prctl was looked up at import: nothing is loaded in the forked child."""
     if _PRCTL is not None:
         _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def record_group(home: Path, group: int) -> None:
+    """Write the process group of an engine in use into `home`, where stop_leftovers finds it on a rerun after eyas
+    was killed."""
+    (home / GROUP_FILE).write_text(str(group))
 
 
 def stop_leftovers(record: Path) -> list[int]:

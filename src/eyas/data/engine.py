@@ -14,7 +14,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from eyas.core.engine import GROUP_FILE, Server, check_vllm, cpu_env, engine_model, server_argv, vllm_python
+from eyas.core.engine import (
+    Server,
+    check_vllm,
+    cpu_env,
+    engine_model,
+    record_group,
+    server_argv,
+    vllm_python,
+)
 from eyas.core.target import load_tokenizer
 from eyas.data.chat import ChatRenderer
 from eyas.data.replies import Reply, prompt_limit, too_long
@@ -103,8 +111,8 @@ class SharedEngine:
             con.print(f"engine: the vLLM server started for {self.started_by} answers this stage too "
                       f"(no start-up; log {self.server.log})")
             home = engine_paths(Path(cfg.out))[0]  # recorded here too: a rerun that starts at this stage after
-            home.mkdir(parents=True, exist_ok=True)  # eyas was killed stops what is left of it (stop_leftovers)
-            (home / GROUP_FILE).write_text(str(self.server.proc.pid))
+            home.mkdir(parents=True, exist_ok=True)  # eyas was killed stops what is left of it
+            record_group(home, self.server.proc.pid)
             return self.server
         self.close()
         self.server, self.key, self.started_by = start_engine(cfg, con), key, cfg.out
