@@ -162,7 +162,7 @@ def engine_figures(args, target, data: Path, cfg: ExtractConfig, out: Path) -> N
 
     t0 = time.perf_counter()
     ids = vllm_layer_ids(target.default_feature_layers(), target.num_layers)
-    env, threads = cpu_env()
+    env, threads = cpu_env(python=args.engine_python)
     print(threads)
     engine = VllmEngine.start(args.engine_python, str(resolve_source(args.target)[1]), ids, out / "engine-tmp",
                               out / "engine.log", 8299, f"--dtype bfloat16 {args.engine_args}", env=env)

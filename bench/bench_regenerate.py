@@ -89,6 +89,9 @@ def main() -> None:
                     help="the engine's threads: eyas's choice from the free cores (eyas.core.engine.cpu_env) or "
                          "vLLM's own binding, one thread to each core (VLLM_CPU_OMP_THREADS_BIND=auto); with "
                          "several --hogs the engine starts anew beside each number of busy processes")
+    ap.add_argument("--engine-preload", nargs="+", default=["eyas"],
+                    help="the engine's LD_PRELOAD: eyas's choice (tcmalloc and Intel's OpenMP where found, "
+                         "eyas.core.engine.preload), 'none', or libraries as LD_PRELOAD takes them; one engine each")
     ap.add_argument("--workers", type=int, nargs="+", default=[1],
                     help="the local methods (slots, hf) on this many worker processes (eyas.data.workers), each in "
                          "turn; each worker has --batch slots")
@@ -117,8 +120,10 @@ def main() -> None:
     runs = [(m, f"batch {b}" + (f" x{w} workers" if w > 1 else ""), b, "", w) for w in a.workers for b in a.batch
             for m in a.methods if m not in ("server", "engine") and (w == 1 or m != "batches")]
     runs += [("server", f"concurrency {c}", c, "", 1) for c in a.concurrency if "server" in a.methods]
-    runs += [("engine", f"concurrency {c}" + (f", {bind}" if len(a.engine_bind) > 1 else ""), c, bind, 1)
-             for bind in a.engine_bind for c in a.concurrency if "engine" in a.methods]  # one engine at a time
+    runs += [("engine", f"concurrency {c}" + (f", {bind}" if len(a.engine_bind) > 1 else "")
+              + (f", preload {Path(pre.split(':')[-1]).name}" if len(a.engine_preload) > 1 else ""), c, (bind, pre), 1)
+             for bind in a.engine_bind for pre in a.engine_preload for c in a.concurrency
+             if "engine" in a.methods]  # one engine at a time
     engine_out = Path(tempfile.mkdtemp(prefix="bench-regenerate-")) / "engine.jsonl"  # the engine's log beside it
     loaded: dict[tuple[str, str, int], list[float]] = {}
     try:
@@ -165,11 +170,11 @@ def main() -> None:
                 f"{loaded[m, setting, h]:8.1f} ({loaded[m, setting, h] / q:4.2f}x)" for h in a.hogs))
 
 
-def backend_for(a, m: str, n: int, backends: dict, con, engine_out: Path, bind: str = "", workers: int = 1):
+def backend_for(a, m: str, n: int, backends: dict, con, engine_out: Path, bind: tuple | str = "", workers: int = 1):
     """The backend of method `m` at batch size / concurrency `n`: one loaded target per generator and number of
-    worker processes, one engine for every concurrency of a thread binding (one engine at a time; its start-up
-    and threads are printed, not counted)."""
-    from eyas.core.engine import cpu_env
+    worker processes, one engine for every concurrency of a thread binding and preload (one engine at a time;
+    its start-up and threads are printed, not counted)."""
+    from eyas.core.engine import cpu_env, vllm_python
     from eyas.data.engine import EngineBackend
     from eyas.data.local import LocalBackend
     from eyas.data.regenerate import RegenerateConfig
@@ -187,12 +192,16 @@ def backend_for(a, m: str, n: int, backends: dict, con, engine_out: Path, bind: 
         if m == "engine":  # one engine at a time: an idle one beside would be other work
             for other in [k for k in backends if k[0] == "engine"]:
                 backends.pop(other).close()
+        bind, pre = bind if isinstance(bind, tuple) else (bind, "eyas")
         own = {"VLLM_CPU_OMP_THREADS_BIND": "auto"} if bind == "vllm" else {}
+        if pre != "eyas":
+            own["LD_PRELOAD"] = "" if pre == "none" else pre
         saved = {k: os.environ.get(k) for k in own}
         os.environ.update(own)
         try:
             if m == "engine":
-                print(f"  {cpu_env()[1]}", flush=True)
+                env, threads = cpu_env(python=vllm_python(a.engine_python))
+                print(f"  {threads}; LD_PRELOAD={env.get('LD_PRELOAD', own.get('LD_PRELOAD', ''))!r}", flush=True)
             t0 = time.perf_counter()
             if workers > 1:
                 backends[key] = Workers(dataclasses.replace(cfg, workers=workers), con, workers, "--workers")

@@ -151,6 +151,32 @@ def test_an_engine_on_a_cpu_reuses_its_compile_cache_unless_the_user_chose(monke
     assert "VLLM_USE_AOT_COMPILE" not in cpu_env()[0]
 
 
+def test_an_engine_on_a_cpu_gets_the_allocator_and_openmp_vllm_asks_for(monkeypatch, tmp_path):
+    """vLLM's CPU build wants tcmalloc and Intel's OpenMP in LD_PRELOAD: eyas preloads those it finds (tcmalloc by
+    the loader's name, libiomp5 from the engine's own environment), and nothing when LD_PRELOAD is the user's."""
+    import ctypes.util
+
+    from eyas.core import engine
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "lib").mkdir()
+    python = str(venv / "bin" / "python")
+    names = {"tcmalloc_minimal": None, "tcmalloc": "libtcmalloc.so.4"}
+    monkeypatch.setattr(ctypes.util, "find_library", lambda n: names.get(n))
+    assert engine.preload(python) == {"LD_PRELOAD": "libtcmalloc.so.4"}  # no libiomp5 in that environment
+    (venv / "lib" / "libiomp5.so").write_bytes(b"")
+    names["tcmalloc_minimal"] = "libtcmalloc_minimal.so.4"  # the minimal one first, one allocator only
+    assert engine.cpu_env(python=python)[0]["LD_PRELOAD"] == f"libtcmalloc_minimal.so.4:{venv}/lib/libiomp5.so"
+    names.update(tcmalloc_minimal=None, tcmalloc=None)
+    assert engine.preload(python) == {"LD_PRELOAD": f"{venv}/lib/libiomp5.so"}
+    assert engine.preload("") == {}  # no environment named, no allocator found
+    monkeypatch.setenv("LD_PRELOAD", "")  # the user's, even empty: kept as it is
+    assert "LD_PRELOAD" not in engine.cpu_env(python=python)[0]
+
+
 def test_one_rank_per_core_stays_on_its_core(monkeypatch):
     """As many ranks on the node as cores, one thread each: rank `slot` is pinned to the slot-th core; with more
     cores than ranks, on a GPU, or alone, nothing is pinned."""

@@ -75,7 +75,7 @@ def start_engine(cfg: EngineSettings, con) -> Server:
             *cfg.engine_args.split()]
     home, log = engine_paths(Path(cfg.out))
     argv = server_argv(python, model, cfg.engine_port, args)
-    env, threads = cpu_env()
+    env, threads = cpu_env(python=python)
     con.print(f"engine: starting vLLM {version} on port {cfg.engine_port} (log {log})"
               + (f", {' '.join(f'{k}={v}' for k, v in env.items())} (CPU defaults; set them to change)"
                  if env else "") + "; by hand: " + " ".join(argv))

@@ -528,7 +528,7 @@ def open_engine(cfg, env, con, target, layer_ids: list[int], longest: int) -> Vl
         extra += f" --max-model-len {longest + 1}"  # the longest prompt, and the one token a completion asks for
     extra += f" {cfg.engine_args}"
     port = cfg.engine_port + env.local_rank
-    cpu, threads = cpu_env(env.local_world_size)
+    cpu, threads = cpu_env(env.local_world_size, python)
     con.print(f"engine: starting vLLM {version} on port {port} (log {log}); by hand: "
               f"{engine_command(python, model, ids, tmp, port, extra)}" + (f"\n{threads}" if threads else ""))
     return VllmEngine.start(python, model, ids, tmp, log, port, extra, cfg.engine_startup_s,
