@@ -317,8 +317,9 @@ def attention_bench(dtype: str) -> None:
 
 
 def gemm_rate(t) -> tuple[float, float]:
-    """(FLOP/s of F.linear on the loaded target's fused [gate|up] weight at 512 rows, FLOPs per token in its
-    weights)."""
+    """(FLOP/s of F.linear on the loaded target's fused [gate|up] weight at 512 rows, the best of 7 timings of 20
+    calls: a ceiling, so a slow spell of the machine, such as an engine's processes still stopping, does not lower
+    it; FLOPs per token in its weights)."""
     import torch
     import torch.nn.functional as F
 
@@ -335,12 +336,14 @@ def gemm_rate(t) -> tuple[float, float]:
     with torch.inference_mode():
         for _ in range(5):
             F.linear(x, w)
-        n, t0 = 50, time.perf_counter()
-        for _ in range(n):
-            F.linear(x, w)
-        seconds = (time.perf_counter() - t0) / n
+        seconds = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            for _ in range(20):
+                F.linear(x, w)
+            seconds.append((time.perf_counter() - t0) / 20)
     torch.set_num_threads(threads)
-    return 2 * x.shape[0] * w.numel() / seconds, per_token
+    return 2 * x.shape[0] * w.numel() / min(seconds), per_token
 
 
 if __name__ == "__main__":
