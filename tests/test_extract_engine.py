@@ -97,6 +97,44 @@ def test_an_engine_dying_mid_run_is_named_and_a_rerun_resumes_to_the_same_store(
     assert all(torch.equal(a[i].aux, b[i].aux) and torch.equal(a[i].final, b[i].final) for i in range(len(a)))
 
 
+def test_an_engine_that_dies_before_writing_an_answered_samples_file_is_named_as_dead(tmp_path):
+    """An engine that answered a request and died before writing its file (its lock left, the file never made):
+    the error says the engine died and shows its log, not only that a file is missing; a live engine's missing file
+    stays the file's error."""
+    import subprocess
+
+    from eyas.core.engine import Server
+    from eyas.store.engine import VllmEngine
+
+    log = tmp_path / "engine.log"
+    log.write_text("fake vllm: dying as asked\n")
+    path = tmp_path / "cmpl-000007-0.safetensors"
+
+    class Answered(Server):  # an engine that answers the sample with a file path and nothing more
+        def _served_model(self, name):
+            return "m", None
+
+        def post(self, route, body):
+            return {"choices": [{"prompt_token_ids": [1, 2]}], "kv_transfer_params": {"hidden_states_path": str(path)}}
+
+    def engine(proc) -> VllmEngine:
+        Path(str(path) + ".lock").write_text("")
+        return VllmEngine(Answered("http://127.0.0.1:1", proc, log, task="extraction"))
+
+    dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    dead.wait()
+    with pytest.raises(EyasError, match="engine died") as e:
+        engine(dead).states([1, 2])
+    assert "dying as asked" in str(e.value) and not Path(str(path) + ".lock").exists()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with pytest.raises(EyasError, match="unreadable"):
+            engine(alive).states([1, 2])
+    finally:
+        alive.kill()
+        alive.wait()
+
+
 def test_each_way_an_engine_is_missing_is_a_clear_error(prepared, folder, tmp_path, monkeypatch):
     with pytest.raises(EyasError, match="cannot run it"):
         check_vllm(str(tmp_path / "nowhere" / "python"))

@@ -97,7 +97,12 @@ class VllmEngine:
             if echoed is not None and list(echoed) != ids:
                 raise EyasError(f"the engine tokenised a sample otherwise ({len(echoed)} ids for {len(ids)})",
                                 "its states would belong to other tokens", "serve the same model eyas names")
-            data = read_states(path)
+            try:
+                data = read_states(path)
+            except EyasError as e:  # an engine that died after answering never wrote the file: say it died
+                if self.server.died():
+                    raise self.server.failure(e) from None
+                raise
         finally:
             remove_states(path)
         if data["token_ids"].tolist() != ids:
