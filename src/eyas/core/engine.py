@@ -140,9 +140,10 @@ def preload(python: str) -> dict:
     AMD EPYC 2 cores: 592-600 tokens/s with both against 568-579 without (docs/regenerate.md)."""
     if "LD_PRELOAD" in os.environ:
         return {}
-    found = [name for name in (ctypes.util.find_library(n) for n in TCMALLOC) if name][:1]
-    if python and (Path(python).parent.parent / IOMP).exists():  # the venv's lib, not the resolved interpreter's
-        found.append(str(Path(python).parent.parent / IOMP))
+    found = [name for name in (ctypes.util.find_library(n) for n in TCMALLOC) if name][:1]  # one allocator
+    iomp = Path(python).parent.parent / IOMP  # the venv's lib, not the resolved interpreter's
+    if python and iomp.exists():
+        found.append(str(iomp))
     return {"LD_PRELOAD": ":".join(found)} if found else {}
 
 
