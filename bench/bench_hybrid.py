@@ -16,13 +16,18 @@ import torch
 from bench_widen import common_args, load, side_by_side
 
 
-def main() -> None:
-    ap = common_args(bench="mt_bench")
+def hybrid_args(doc: str):
+    """The arguments of a side-by-side bench of the hybrid on MT-Bench's (or another bench's) first turns."""
+    ap = common_args(bench="mt_bench", doc=doc)
     ap.add_argument("--prompts", type=int, default=0, help="the first N prompts (0: every one the bench selects)")
     ap.add_argument("--per-category", type=int, default=0, help="MT-Bench: the first N questions of each category")
     ap.add_argument("--chain", type=int, default=7, help="the draft's longest chain")
     ap.add_argument("--lookup", type=int, default=7, help="prompt lookup's longest match")
-    a = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    a = hybrid_args(__doc__).parse_args()
 
     from eyas.speculate.drafters import Controller, Eagle3Drafter, HybridDrafter, PromptLookupDrafter
     from eyas.speculate.evaluate import Method, load_bench

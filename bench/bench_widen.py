@@ -43,9 +43,9 @@ def main() -> None:
                        "dtype": dtype, "when": time.strftime("%Y-%m-%d %H:%M")}, f, indent=1)
 
 
-def common_args(bench: str) -> argparse.ArgumentParser:
-    """The arguments every side-by-side decoding bench takes."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def common_args(bench: str, doc: str = __doc__) -> argparse.ArgumentParser:
+    """The arguments every side-by-side decoding bench takes (`doc`: the bench's docstring, for --help)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--draft", required=True, help="an eyas draft checkpoint folder (train's final/)")
     ap.add_argument("--bench", default=bench, help="mt_bench, gsm8k or a JSONL file (first turns only)")

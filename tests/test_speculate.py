@@ -4,6 +4,7 @@ brute-force tree ancestry, hand-made acceptance traces, and the target's distrib
 import copy
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -278,7 +279,7 @@ def test_adaptive_controller_stays_lossless_and_drafts_when_it_pays(tiny_target,
     runner = LeanRunner(tiny_target, tiny_target.default_feature_layers())
     lat = {1: 1.0, 2: 1.05, 5: 1.2}  # seconds: the tiny draft costs next to nothing beside these
     for draft, want_drafted in ((trained_draft(tiny_target), True), (untrained_draft(tiny_target), False)):
-        ctl = Controller(lat, kmax=4)
+        ctl = Controller(lat, kmax=4, learn=0.0)  # these prices, not the tiny target's (a draft's own cost)
         drafter = Eagle3Drafter(draft, k=4)
         rounds = []
         for prompt, ref in refs[:4]:
@@ -427,6 +428,67 @@ def test_controller_picks_plain_for_a_poor_draft_and_long_chains_for_a_good_one(
     extra = sum(poor.t(k + 1) + 0.002 * k - poor.t(1) for k in picks[20:]) / (180 * poor.t(1))
     assert extra <= 0.025  # the probes cost at most ~2% of plain decoding's time
     assert good.choose() == 7
+
+
+def test_controller_learns_the_target_latency_from_its_rounds_and_chooses_by_it():
+    """A start-up table measured in a slow spell (t(1) 25% high, wider forwards 2x) prices drafting out; the rounds'
+    own target forwards correct it, and the choice follows the corrected prices."""
+    import random
+
+    from eyas.speculate.decode import Round
+
+    true = {1: 0.040, 2: 0.041, 4: 0.043, 8: 0.048}
+    slow = {1: 0.050, 2: 0.080, 4: 0.090, 8: 0.100}
+    step = 0.002
+
+    def run(ctl, rounds=400):
+        rng, picks = random.Random(0), []
+        for _ in range(rounds):
+            k = ctl.choose()
+            picks.append(k)
+            kept = 0
+            while kept < k and rng.random() < 0.5:  # each drafted token accepted with probability 1/2
+                kept += 1
+            t = float(np.interp(k + 1, list(true), list(true.values())))
+            ctl.observe(Round(k, k, kept, 0.0, t, step * k, k))
+        return picks
+
+    # alpha = 1/2: a chain of 3 makes 1.875 tokens a round. At the true prices it pays, 1.875 / (t(4) + 3 step) =
+    # 38 tokens/s against plain 1 / t(1) = 25; at the slow table's no chain does (at most 19.5 against 20).
+    fixed, learning = Controller(slow, kmax=7, learn=0.0), Controller(slow, kmax=7)
+    assert run(fixed)[-100:].count(0) > 90
+    assert fixed.latency() == slow
+    late = run(learning)[-100:]
+    assert late.count(0) < 5, late
+    k = max(set(late), key=late.count)  # the chain it settled on: its price is learned (an unchosen one may lag)
+    assert learning.t(k + 1) == pytest.approx(np.interp(k + 1, list(true), list(true.values())), rel=0.05)
+
+
+def test_controller_prices_of_untried_sizes_follow_the_machine_and_do_not_wander():
+    """Rounds verifying 2 and 8 tokens, timed with noise, on a machine 20% slower than at start-up: t(1), never
+    verified, follows the machine's level (not a random walk fed by the noise of the other sizes)."""
+    import random
+
+
+    table = {1: 0.040, 2: 0.041, 4: 0.043, 8: 0.048}
+    ctl, rng = Controller(table, kmax=7), random.Random(1)
+    for i in range(3000):
+        q = 2 if i % 2 else 8
+        ctl.learn_latency(q, 1.2 * table[q] * rng.uniform(0.7, 1.3))
+    assert ctl.t(1) == pytest.approx(1.2 * 0.040, rel=0.08)
+    assert ctl.t(2) == pytest.approx(1.2 * 0.041, rel=0.08) and ctl.t(8) == pytest.approx(1.2 * 0.048, rel=0.08)
+
+
+def test_controller_latency_learning_shrugs_off_one_descheduled_forward():
+    from eyas.speculate.decode import Round
+
+    lat = {1: 0.040, 8: 0.048}
+    ctl = Controller(lat, kmax=7)
+    ctl.observe(Round(0, 0, 0, 0.0, 4.0, 0.0, 0))  # a forward 100x its usual time
+    assert ctl.t(1) < 0.040 * 2 ** 0.2
+    for _ in range(30):
+        ctl.observe(Round(0, 0, 0, 0.0, 0.040, 0.0, 0))
+    assert ctl.t(1) == pytest.approx(0.040, rel=0.01)
 
 
 def _started(target, drafter, prompt):

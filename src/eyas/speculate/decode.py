@@ -260,6 +260,7 @@ def _round(runner: TargetRunner, drafter, seq: list[int], temperature: float, ge
               drafter.forward_time - d0, drafter.forward_calls - c0)
     if controller is not None:
         controller.observe(r)
+    drafter.timed(r)
     r.time_s = time.perf_counter() - t0
     return r
 

@@ -17,6 +17,7 @@ and overwritten by the next round, so rejected tokens leave no trace and nothing
 
 from __future__ import annotations
 
+import bisect
 import copy
 import dataclasses
 import math
@@ -48,6 +49,9 @@ class Drafter:
 
     def update(self, seq: list[int], feats) -> None:
         pass
+
+    def timed(self, r: Round) -> None:
+        """The decoder's figures of the round just verified (a drafter pricing its own rounds learns from them)."""
 
     def propose(self, seq: list[int], temperature: float, gen, budget: int | None) -> Proposal:
         raise NotImplementedError
@@ -275,6 +279,24 @@ def chain_yield(accepted: float, rejections: float, k: int) -> float:
     return float(sum(alpha ** i for i in range(k + 1)))
 
 
+def _clipped(ratio: float) -> float:
+    return min(max(ratio, 0.5), 2.0)
+
+
+def _interp_weights(points: list[int], q: int) -> list[tuple[int, float]]:
+    """The points linear interpolation at q reads, with their weights (the nearest end beyond the ends)."""
+    if q <= points[0]:
+        return [(points[0], 1.0)]
+    if q >= points[-1]:
+        return [(points[-1], 1.0)]
+    i = bisect.bisect_left(points, q)
+    if points[i] == q:
+        return [(q, 1.0)]
+    lo, hi = points[i - 1], points[i]
+    w = (q - lo) / (hi - lo)
+    return [(lo, 1.0 - w), (hi, w)]
+
+
 def decayed_counts(counts: tuple[float, float], accepted: int, depth: int, decay: float) -> tuple[float, float]:
     """(accepted, rejections) after one round that accepted `accepted` of its `depth` drafted tokens."""
     return decay * counts[0] + accepted, decay * counts[1] + (1 if accepted < depth else 0)
@@ -384,6 +406,10 @@ class HybridDrafter(Drafter):
                     self.controller.observe(Round(len(chain), len(chain), kept, 0.0, 0.0, draft_s))
             self.last = None
 
+    def timed(self, r: Round) -> None:
+        if self.controller is not None:
+            self.controller.learn_latency(r.size + 1, r.target_s)
+
     def options(self, k: int, found: list[int], n: int) -> list[tuple[str, int, float, float]]:
         """(option, draft tokens, expected tokens, cost) of this round: the draft's chain of k (plain decoding for
         k = 0), prompt lookup's match of n tokens if any, and both (an adaptive hybrid). Without a controller every
@@ -475,12 +501,22 @@ class Controller:
     Plain decoding (k = 0: E = 1, cost t(1)) wins when the draft is poor; then a probe round drafts anyway,
     often enough to notice a change but rarely enough to cost at most `probe_share` of the time. The first four
     rounds draft in full whatever the priors say, so that a tree's yield is measured before it is judged.
+
+    t(q) starts from the latency table measured at start-up and is learned from every round's own target forward
+    (`learn`): a start-up table taken in a slow spell of the machine, or at another context length, would
+    otherwise price every round of the run wrongly. At each of the table's points p, t(p) = table(p) * f(p), with
+    f(p) the rounds' measured / table ratio near p (geometric moving average, weight `learn`) once a round has
+    verified about p tokens, and until then `scale`, the same average over every round (a machine that slows down
+    slows every q alike). A round timed at over twice or under half its estimate counts as twice or half: one
+    descheduled forward must not move the prices far.
     """
 
     def __init__(self, latency: dict[int, float], kmax: int, tree_size: int | None = None,
-                 decay: float = 0.9, probe_share: float = 0.02):
-        self.lat = sorted(latency.items())
-        self._t: dict[int, float] = {}
+                 decay: float = 0.9, probe_share: float = 0.02, learn: float = 0.1):
+        self.table = dict(sorted(latency.items()))  # the start-up measurement, seconds
+        self.scale, self.learn = 1.0, learn
+        self.rho: dict[int, float] = {}  # measured / table at the points rounds have verified near
+        self._reprice()
         self.kmax, self.tree_size, self.decay, self.probe_share = kmax, tree_size, decay, probe_share
         self.A, self.R = 1.0, 1.0
         self.tree_tokens, self.tree_weight = 2.0, 1.0  # prior: a tree yields two tokens a round
@@ -491,9 +527,29 @@ class Controller:
     def t(self, q: int) -> float:
         """Target latency for q tokens, linear between measured points (flat beyond the ends)."""
         if q not in self._t:
-            qs, ts = zip(*self.lat)
-            self._t[q] = float(np.interp(q, qs, ts))
+            self._t[q] = float(np.interp(q, self._qs, self._ts))
         return self._t[q]
+
+    def _reprice(self) -> None:
+        self._qs = list(self.table)
+        self._ts = [self.table[p] * self.rho.get(p, self.scale) for p in self._qs]
+        self._t: dict[int, float] = {}
+
+    def learn_latency(self, q: int, seconds: float) -> None:
+        """One target forward over q tokens took `seconds`: move t toward it (see the class docstring)."""
+        if seconds <= 0 or not self.learn:
+            return
+        table = float(np.interp(q, self._qs, [self.table[p] for p in self._qs]))
+        self.scale *= _clipped(seconds / (table * self.scale)) ** self.learn
+        self._reprice()  # the points no round has verified near follow the scale
+        ratio = _clipped(seconds / self.t(q))
+        for p, w in _interp_weights(self._qs, q):
+            self.rho[p] = self.rho.get(p, self.scale) * ratio ** (self.learn * w)
+        self._reprice()
+
+    def latency(self) -> dict[int, float]:
+        """t(q) as learned so far, at the table's points."""
+        return dict(zip(self._qs, self._ts))
 
     def expected(self, k: int) -> float:
         return chain_yield(self.A, self.R, k)
@@ -521,6 +577,7 @@ class Controller:
         return probe[0] if self.idle >= every else 0
 
     def observe(self, r: Round) -> None:
+        self.learn_latency(r.size + 1, r.target_s)
         if r.depth == 0:
             return
         self.idle = 0

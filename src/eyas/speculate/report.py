@@ -130,7 +130,9 @@ def aggregate(cfg, target, draft, runner, items, methods, records, latency) -> d
                         "lossless": _lossless(by(m.name), target.tokenizer) if cfg.temperature == 0 else
                         {"checked": False, "identical": None, "first_divergence": None},
                         "per_category": per_cat,
-                        **({"rounds_by_drafter": dict(m.drafter.used)} if hasattr(m.drafter, "used") else {})})
+                        **({"rounds_by_drafter": dict(m.drafter.used)} if hasattr(m.drafter, "used") else {}),
+                        **({"learned_latency_ms": {str(q): 1000 * t for q, t in m.controller.latency().items()}}
+                           if m.controller is not None else {})})
     best = max(configs, key=lambda c: c["speedup"] or 0.0, default=None)
     drafted = [c for c in configs if c["drafter"] == "eagle3"] or configs
     shown = max(drafted, key=lambda c: c["speedup"] or 0.0, default=None)
