@@ -117,8 +117,14 @@ def test_evaluate_end_to_end_on_the_tiny_target(tiny_target, tmp_path, capsys, m
     assert set(res["latency_ms"]) >= {"1", "4", "8", "16", "32"}
     assert res["verify_widths"] == {"2": 4, "3": 4, "4": 8, "7": 8}
     report_md = (out / "report.md").read_text()
-    assert re.search(r"^\| 3 \| [\d.]+ \| [\d.]+ \| 4 \|$", report_md, re.M)  # q = 3 verified in 4 rows
-    assert re.search(r"^\| 5 \| [\d.]+ \| [\d.]+ \| 5 \|$", report_md, re.M)
+    assert re.search(r"^\| 3 \| [\d.]+ \| [\d.]+ \| 4 \| ", report_md, re.M)  # q = 3 verified in 4 rows
+    assert re.search(r"^\| 5 \| [\d.]+ \| [\d.]+ \| 5 \| ", report_md, re.M)
+    # what the rounds' verifications took, by q: every round of every method counted once
+    seen = res["latency_in_rounds_ms"]
+    assert sum(v["rounds"] for v in seen.values()) == sum(c["rounds"] for c in res["configs"])
+    assert seen["4"]["rounds"] > 0 and all(v["ms"] > 0 for v in seen.values())  # the oracle's chains of 3
+    assert re.search(rf"^\| 4 \| [\d.]+ \| [\d.]+ \| 8 \| {seen['4']['ms']:.1f} \({seen['4']['rounds']:,}\) \|$",
+                     report_md, re.M)
     s = res["samples"][0]  # for the run report: text pieces and the tokens accepted per round
     assert s["method"].startswith("eagle3") and s["prompt"] == "Tell me a story."
     assert sum(s["accepted"]) + len(s["accepted"]) + 1 >= len(s["pieces"]) > 1

@@ -56,6 +56,16 @@ def method_figures(recs: list[dict], base_tps: float | None, latency: dict) -> d
             "draft_step_ms": 1000 * draft_s / calls if calls else None, **stats}
 
 
+def rounds_latency(records: list[dict]) -> dict[str, dict]:
+    """The target forwards the run's speculative rounds took, by q (tokens verified + 1), every method together:
+    {q: {"ms": mean, "rounds": n}}; beside the start-up table it shows what verification cost as the run went."""
+    by_q: dict[int, list[float]] = {}
+    for rec in records:
+        for r in rec.get("rounds") or ():
+            by_q.setdefault(r["size"] + 1, []).append(r["target_s"])
+    return {str(q): {"ms": 1000 * sum(v) / len(v), "rounds": len(v)} for q, v in sorted(by_q.items())}
+
+
 def _lossless(recs: list[dict], tokenizer) -> dict:
     """The verdict: `lossless` is true when every emitted token is the target's top-1 at its position (outputs
     equal to plain greedy decoding, or differing from it only at near-ties, each re-scored in fp32: see
@@ -149,6 +159,7 @@ def aggregate(cfg, target, draft, runner, items, methods, records, latency) -> d
             "threads": torch.get_num_threads(),
             "latency_ms": {str(q): 1000 * latency[q] for q in sorted(latency)}, "latency_prefix": cfg.latency_prefix,
             "verify_widths": {str(q): w for q, w in sorted(widths.items())},
+            "latency_in_rounds_ms": rounds_latency(records),
             "baseline": base, "configs": configs,
             "best": {k: best[k] for k in ("name", "speedup", "tau")} if best else None,
             "samples": _samples(by(shown["name"]), target.tokenizer) if shown else [],
@@ -286,9 +297,17 @@ def _markdown(res: dict) -> str:
              "target and draft forwards.", "", "## Latency of the target", "",
              "t(q): one forward over q new tokens. Where a wider forward measured faster, q tokens were verified in "
              "it (fillers in the extra rows, never committed; `--no-widen` turns this off).", "",
-             "| q | t(q) ms | t(q)/t(1) | verified in a forward of |", "|---|---|---|---|"]
+             "The last column is what the run's speculative rounds measured (every method; the adaptive controller "
+             "learns its prices from these): the start-up table is taken once, after "
+             f"{res.get('latency_prefix', '?')} tokens of context.", "",
+             "| q | t(q) ms at start-up | t(q)/t(1) | verified in a forward of | the run's rounds: mean ms (rounds) |",
+             "|---|---|---|---|---|"]
     t1, widths = res["latency_ms"]["1"], res.get("verify_widths", {})
-    lines += [f"| {q} | {v:.1f} | {v / t1:.2f} | {widths.get(q, q)} |" for q, v in res["latency_ms"].items()]
+    seen = res.get("latency_in_rounds_ms", {})
+    for q in sorted(set(res["latency_ms"]) | set(seen), key=int):
+        v, r = res["latency_ms"].get(q), seen.get(q)
+        lines.append(f"| {q} | {_fmt(v, '.1f')} | {_fmt(v / t1 if v else None)} | {widths.get(q, q) if v else '-'} | "
+                     + (f"{r['ms']:.1f} ({r['rounds']:,}) |" if r else "- |"))
     lines += ["", "## Per category", "", "| config | category | turns | tau | speedup |", "|---|---|---|---|---|"]
     for c in res["configs"]:
         lines += [f"| {c['name']} | {k} | {v['turns']} | {_fmt(v['tau'])} | {_fmt(v['speedup'])} |"
