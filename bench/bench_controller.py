@@ -40,15 +40,16 @@ def main() -> None:
     sides = {"fixed": (widths, methods(learn=0.0)), "learned": (widths, methods())}
     items = load_bench(a.bench, a.prompts, a.per_category)
     rows, plain_tps = side_by_side(target, runner, sides, items, a.new)
-    print("\nt(q) ms at the end    " + "  ".join(f"q={q:<3}" for q in (1, 2, 4, 8)))
-    print(f"{'start-up':<22}" + "  ".join(f"{1e3 * cost[q]:5.1f}" for q in (1, 2, 4, 8)))
+    shown = sorted({1, 2, 4, a.chain + 1} & set(cost))
+    print("\nt(q) ms at the end    " + "  ".join(f"q={q:<3}" for q in shown))
+    print(f"{'start-up':<22}" + "  ".join(f"{1e3 * cost[q]:5.1f}" for q in shown))
     learned = {}
     for side, (_, ms) in sides.items():
         for m in ms:
             lat = m.controller.latency()
             learned[f"{side}: {m.name}"] = {q: 1e3 * t for q, t in lat.items()}
             drafted = getattr(m.drafter, "used", None)
-            print(f"{side + ' ' + m.name.split()[0]:<22}" + "  ".join(f"{1e3 * lat[q]:5.1f}" for q in (1, 2, 4, 8))
+            print(f"{side + ' ' + m.name.split()[0]:<22}" + "  ".join(f"{1e3 * m.controller.t(q):5.1f}" for q in shown)
                   + (f"   rounds by drafter {drafted}" if drafted else ""))
     if a.out:
         with open(a.out, "w") as f:

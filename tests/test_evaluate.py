@@ -119,6 +119,8 @@ def test_evaluate_end_to_end_on_the_tiny_target(tiny_target, tmp_path, capsys, m
     report_md = (out / "report.md").read_text()
     assert re.search(r"^\| 3 \| [\d.]+ \| [\d.]+ \| 4 \| ", report_md, re.M)  # q = 3 verified in 4 rows
     assert re.search(r"^\| 5 \| [\d.]+ \| [\d.]+ \| 5 \| ", report_md, re.M)
+    learned = {c["name"] for c in res["configs"] if "learned_latency_ms" in c}  # adaptive methods; the oracle is not
+    assert learned == {c["name"] for c in res["configs"] if c["adaptive"]} and "oracle k=3" not in learned and learned
     # what the rounds' verifications took, by q: every round of every method counted once
     seen = res["latency_in_rounds_ms"]
     assert sum(v["rounds"] for v in seen.values()) == sum(c["rounds"] for c in res["configs"])

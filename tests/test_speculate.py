@@ -479,13 +479,37 @@ def test_controller_prices_of_untried_sizes_follow_the_machine_and_do_not_wander
     assert ctl.t(2) == pytest.approx(1.2 * 0.041, rel=0.08) and ctl.t(8) == pytest.approx(1.2 * 0.048, rel=0.08)
 
 
+def test_a_hybrid_learns_its_prices_once_a_round_from_the_decoder(tiny_target, refs):
+    """The decoder hands every round's target seconds to the drafter (`timed`); a hybrid with its own controller
+    learns its prices from each round once, and nothing from the rounds it reports for acceptance only."""
+    runner = LeanRunner(tiny_target, tiny_target.default_feature_layers())
+    ctl = Controller({1: 1.0, 4: 1.1, 8: 1.2}, kmax=3)
+    seen = []
+    learn = ctl.learn_latency
+    ctl.learn_latency = lambda q, s: (seen.append((q, s)), learn(q, s))[1]
+    hybrid = HybridDrafter(Eagle3Drafter(trained_draft(tiny_target), k=3), PromptLookupDrafter(4), controller=ctl)
+    prompt, ref = refs[0]
+    g = speculative_generate(runner, hybrid, prompt, NEW, controller=None)
+    assert g.tokens == ref
+    assert [(q, s) for q, s in seen if s > 0] == [(r.size + 1, r.target_s) for r in g.rounds]
+    assert ctl.scale < 0.8 and ctl.t(1) < 0.8  # moving to the tiny target's millisecond forwards from the 1 s table
+
+
+def test_controller_rounds_beyond_its_table_move_the_scale_only():
+    ctl = Controller({1: 0.040, 8: 0.048}, kmax=7)
+    ctl.learn_latency(16, 0.080)  # beyond the table: 0.080 / 0.048 = 1.67x the last point's price
+    assert ctl.rho == {} and ctl.scale == pytest.approx((0.080 / 0.048) ** 0.1)
+    ctl.learn_latency(8, 0.048)
+    assert ctl.rho[8] * 0.048 == pytest.approx(ctl.t(8))
+
+
 def test_controller_latency_learning_shrugs_off_one_descheduled_forward():
     from eyas.speculate.decode import Round
 
     lat = {1: 0.040, 8: 0.048}
     ctl = Controller(lat, kmax=7)
     ctl.observe(Round(0, 0, 0, 0.0, 4.0, 0.0, 0))  # a forward 100x its usual time
-    assert ctl.t(1) < 0.040 * 2 ** 0.2
+    assert ctl.t(1) == pytest.approx(0.040 * 2 ** 0.1)  # counted as twice its price, at weight 0.1
     for _ in range(30):
         ctl.observe(Round(0, 0, 0, 0.0, 0.040, 0.0, 0))
     assert ctl.t(1) == pytest.approx(0.040, rel=0.01)

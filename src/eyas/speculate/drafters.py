@@ -5,6 +5,7 @@ Every drafter has the same interface:
     start(seq, feats)       the prompt was prefilled: seq = prompt + first token, feats [n,3H] of positions 0..n-1
     propose(seq, T, gen, budget) -> Proposal   (budget: None = the configured size, 0 = draft nothing, k = k tokens)
     update(seq, feats)      a round committed: seq grew; feats [a+1,3H] of the positions the target just kept
+    timed(round)            the decoder's figures of that round (Round: sizes, accepted, target and draft seconds)
     forward_time            seconds spent drafting (model forwards, sampling, tree selection), for the overhead share
 
 EAGLE-3 at inference, as vLLM runs it (docs/export.md, facts 3 and 4): the draft at position p reads (target
@@ -284,11 +285,7 @@ def _clipped(ratio: float) -> float:
 
 
 def _interp_weights(points: list[int], q: int) -> list[tuple[int, float]]:
-    """The points linear interpolation at q reads, with their weights (the nearest end beyond the ends)."""
-    if q <= points[0]:
-        return [(points[0], 1.0)]
-    if q >= points[-1]:
-        return [(points[-1], 1.0)]
+    """The points linear interpolation at q (points[0] <= q <= points[-1]) reads, with their weights."""
     i = bisect.bisect_left(points, q)
     if points[i] == q:
         return [(q, 1.0)]
@@ -359,9 +356,9 @@ class HybridDrafter(Drafter):
     measured costs, so only an adaptive hybrid weighs it, and only when asked (`union`: measured side by side it
     did not pay, docs/evaluate.md). With a `controller` (eyas evaluate's adaptive mode) the
     chain's k, or plain decoding where the draft does not pay, is the controller's choice, the costs are its
-    measured latencies, and it learns from the draft's rounds only; prompt lookup, free to make, is still tried
-    wherever its expected tokens pay for its longer verification. Without one every round drafts the full chain
-    or prompt lookup's match, whichever has the larger E (ties to the draft).
+    measured latencies, and it learns acceptance from the draft's rounds only (prices from every round); prompt
+    lookup, free to make, is still tried wherever its expected tokens pay for its longer verification. Without
+    one every round drafts the full chain or prompt lookup's match, whichever has the larger E (ties to the draft).
     After a round each chain it verified is credited with its common prefix with what the round made, the tokens
     it would have kept alone. A round without the draft leaves the draft's features pending and the next EAGLE-3
     round catches up on them. Each proposal keeps each token's own law, so decoding stays lossless."""
@@ -402,7 +399,8 @@ class HybridDrafter(Drafter):
             for which, chain in chains:
                 kept = matched(chain, made)
                 self.stats[which] = list(decayed_counts(self.stats[which], kept, len(chain), self.decay))
-                if which == "eagle3" and self.controller is not None:
+                if which == "eagle3" and self.controller is not None:  # its acceptance; target_s 0: the
+                    # prices learn from every round of the hybrid, in timed()
                     self.controller.observe(Round(len(chain), len(chain), kept, 0.0, 0.0, draft_s))
             self.last = None
 
@@ -507,12 +505,16 @@ class Controller:
     otherwise price every round of the run wrongly. At each of the table's points p, t(p) = table(p) * f(p), with
     f(p) the rounds' measured / table ratio near p (geometric moving average, weight `learn`) once a round has
     verified about p tokens, and until then `scale`, the same average over every round (a machine that slows down
-    slows every q alike). A round timed at over twice or under half its estimate counts as twice or half: one
-    descheduled forward must not move the prices far.
+    slows every q alike); a round beyond the table's ends moves `scale` only. A round timed at over twice or under
+    half its estimate counts as twice or half: one descheduled forward must not move the prices far. A point keeps
+    its own price once measured, until rounds near it measure again: a correction relative to `scale` would follow
+    the machine there too, but would also move with the mix of sizes the rounds verify (a draft that stops
+    drafting would raise every drafted size's price towards plain decoding's ratio, and never test it again).
     """
 
     def __init__(self, latency: dict[int, float], kmax: int, tree_size: int | None = None,
                  decay: float = 0.9, probe_share: float = 0.02, learn: float = 0.1):
+        self._args = (latency, kmax, tree_size, decay, probe_share, learn)
         self.table = dict(sorted(latency.items()))  # the start-up measurement, seconds
         self.scale, self.learn = 1.0, learn
         self.rho: dict[int, float] = {}  # measured / table at the points rounds have verified near
@@ -530,6 +532,10 @@ class Controller:
             self._t[q] = float(np.interp(q, self._qs, self._ts))
         return self._t[q]
 
+    def reset(self) -> None:
+        """Back to the start: the start-up prices and the priors (after an untimed warm-up, say)."""
+        self.__init__(*self._args)
+
     def _reprice(self) -> None:
         self._qs = list(self.table)
         self._ts = [self.table[p] * self.rho.get(p, self.scale) for p in self._qs]
@@ -540,11 +546,12 @@ class Controller:
         if seconds <= 0 or not self.learn:
             return
         table = float(np.interp(q, self._qs, [self.table[p] for p in self._qs]))
+        ratio = _clipped(seconds / self.t(q)) if self._qs[0] <= q <= self._qs[-1] else None
+        before = self.scale  # a point's first measurement moves it from where it stood, as much as a later one
         self.scale *= _clipped(seconds / (table * self.scale)) ** self.learn
-        self._reprice()  # the points no round has verified near follow the scale
-        ratio = _clipped(seconds / self.t(q))
-        for p, w in _interp_weights(self._qs, q):
-            self.rho[p] = self.rho.get(p, self.scale) * ratio ** (self.learn * w)
+        if ratio is not None:
+            for p, w in _interp_weights(self._qs, q):
+                self.rho[p] = self.rho.get(p, before) * ratio ** (self.learn * w)
         self._reprice()
 
     def latency(self) -> dict[int, float]:

@@ -58,7 +58,8 @@ def method_figures(recs: list[dict], base_tps: float | None, latency: dict) -> d
 
 def rounds_latency(records: list[dict]) -> dict[str, dict]:
     """The target forwards the run's speculative rounds took, by q (tokens verified + 1), every method together:
-    {q: {"ms": mean, "rounds": n}}; beside the start-up table it shows what verification cost as the run went."""
+    {q: {"ms": mean, "rounds": n}}; beside the latency table it shows what verification cost as the run went.
+    With --repeats n the records hold each turn's fastest decode, so these are its rounds."""
     by_q: dict[int, list[float]] = {}
     for rec in records:
         for r in rec.get("rounds") or ():
@@ -297,10 +298,11 @@ def _markdown(res: dict) -> str:
              "target and draft forwards.", "", "## Latency of the target", "",
              "t(q): one forward over q new tokens. Where a wider forward measured faster, q tokens were verified in "
              "it (fillers in the extra rows, never committed; `--no-widen` turns this off).", "",
-             "The last column is what the run's speculative rounds measured (every method; the adaptive controller "
-             "learns its prices from these): the start-up table is taken once, after "
-             f"{res.get('latency_prefix', '?')} tokens of context.", "",
-             "| q | t(q) ms at start-up | t(q)/t(1) | verified in a forward of | the run's rounds: mean ms (rounds) |",
+             f"t(q) is measured after {res.get('latency_prefix', '?')} tokens of context, before the run and again "
+             "after it (the mean of the two is shown); the adaptive controller starts from the first and learns "
+             "from the rounds. The last column is what the run's rounds measured (every method; a q verified in a "
+             "wider forward was timed as that forward).", "",
+             "| q | t(q) ms | t(q)/t(1) | verified in a forward of | the run's rounds: mean ms (rounds) |",
              "|---|---|---|---|---|"]
     t1, widths = res["latency_ms"]["1"], res.get("verify_widths", {})
     seen = res.get("latency_in_rounds_ms", {})
