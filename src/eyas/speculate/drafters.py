@@ -515,7 +515,7 @@ class Controller:
     def __init__(self, latency: dict[int, float], kmax: int, tree_size: int | None = None,
                  decay: float = 0.9, probe_share: float = 0.02, learn: float = 0.1):
         self._args = (latency, kmax, tree_size, decay, probe_share, learn)
-        self.table = dict(sorted(latency.items()))  # the start-up measurement, seconds
+        self._qs, self._table = map(list, zip(*sorted(latency.items())))  # the start-up measurement, seconds
         self.scale, self.learn = 1.0, learn
         self.rho: dict[int, float] = {}  # measured / table at the points rounds have verified near
         self._reprice()
@@ -537,15 +537,14 @@ class Controller:
         self.__init__(*self._args)
 
     def _reprice(self) -> None:
-        self._qs = list(self.table)
-        self._ts = [self.table[p] * self.rho.get(p, self.scale) for p in self._qs]
+        self._ts = [t * self.rho.get(p, self.scale) for p, t in zip(self._qs, self._table)]
         self._t: dict[int, float] = {}
 
     def learn_latency(self, q: int, seconds: float) -> None:
         """One target forward over q tokens took `seconds`: move t toward it (see the class docstring)."""
         if seconds <= 0 or not self.learn:
             return
-        table = float(np.interp(q, self._qs, [self.table[p] for p in self._qs]))
+        table = float(np.interp(q, self._qs, self._table))
         ratio = _clipped(seconds / self.t(q)) if self._qs[0] <= q <= self._qs[-1] else None
         before = self.scale  # a point's first measurement moves it from where it stood, as much as a later one
         self.scale *= _clipped(seconds / (table * self.scale)) ** self.learn
