@@ -9,22 +9,29 @@ for token. Both sides start from one table measured at start-up; `--skew F` mult
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
 import torch
-from bench_hybrid import hybrid_args
+from bench_hybrid import HybridConfig
 from bench_widen import load, side_by_side
+
+from eyas.core.config import opt, parse
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ControllerConfig(HybridConfig):
+    skew: float = opt(1.0, "the start-up table times this at q > 1")
 
 
 def main() -> None:
-    ap = hybrid_args(__doc__)
-    ap.add_argument("--skew", type=float, default=1.0, help="the start-up table times this at q > 1")
-    a = ap.parse_args()
+    a = parse(ControllerConfig, description=__doc__.split("\n\n")[0])
 
-    from eyas.speculate.drafters import Controller, Eagle3Drafter, HybridDrafter, PromptLookupDrafter
+    from eyas.speculate.controller import Controller
+    from eyas.speculate.drafters import Eagle3Drafter, HybridDrafter, PromptLookupDrafter
     from eyas.speculate.evaluate import Method, load_bench
-    from eyas.speculate.runner import effective_latency
+    from eyas.speculate.target_forward import effective_latency
 
     target, draft, runner, dtype, latency, widths = load(a, sorted(set(range(1, a.chain + a.lookup + 2)) | {24, 32}))
     cost = {q: t * (a.skew if q > 1 else 1.0) for q, t in effective_latency(latency, widths).items()}

@@ -11,7 +11,7 @@ A log a tenth the size is read the same way beside it: peak memory that stays fl
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -24,6 +24,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.seedlogs import SeedRun, lines  # noqa: E402  (the generator lives with the tests)
+
+from eyas.core.config import check, opt, parse  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DoctorBenchConfig:
+    mb: float = opt(200.0, "the long log's size in MB (the short one is a tenth of it)")
+    formats: tuple[str, ...] = opt(("torchrun", "speculators", "specforge"), "the log formats, one pair of logs each",
+                                   choices=("torchrun", "speculators", "specforge"))
+
+    def __post_init__(self):
+        check(self.mb > 0, f"--mb {self.mb:g} is not a size", "give the long log's size in MB, above 0")
+        check(bool(self.formats), "--formats is empty", "give one format or more, e.g. --formats torchrun")
 
 
 def cpu() -> str:
@@ -59,10 +72,7 @@ def doctor(path: Path) -> tuple[float, float, dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mb", type=float, default=200.0)
-    ap.add_argument("--formats", nargs="+", default=["torchrun", "speculators", "specforge"])
-    a = ap.parse_args()
+    a = parse(DoctorBenchConfig, description=__doc__)
     print(f"bench_doctor: {cpu()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}")
     with tempfile.TemporaryDirectory(prefix="eyas-bench-doctor-") as d:
         for fmt in a.formats:

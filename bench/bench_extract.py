@@ -30,7 +30,7 @@ Machines shared with other jobs vary by tens of percent between runs: read the r
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import random
 import resource
@@ -41,15 +41,35 @@ from pathlib import Path
 
 import torch
 
+from eyas.core.config import opt, parse
 from eyas.core.memory import tune_allocator
+from eyas.core.options import target_opt
 from eyas.core.target import load_target
 from eyas.data.prepared import open_prepared
-from eyas.store.extract import ExtractConfig, plan_batches, plan_shards
+from eyas.store.extract import ExtractConfig
 from eyas.store.extract import run as extract
 from eyas.store.layout import SHARD_DIR, bytes_per_token
 from eyas.store.reader import StoreReader
-from eyas.train.data import load_micro_batch
+from eyas.store.shard_plan import plan_batches, plan_shards
+from eyas.train.batches import load_micro_batch
 from eyas.train.sharding import ShardSpec, shard_epoch
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExtractBenchConfig:
+    target: str = target_opt()
+    data: str = opt("", "a prepared dataset; default: the first --samples of GSM8K train")
+    samples: int = opt(240, "the first N GSM8K train conversations (without --data)")
+    shard_mb: float = opt(32.0, "eyas extract --shard-mb")
+    repeats: int = opt(5, "paired extraction runs (the median is reported)")
+    threads: int = opt(0, "torch intra-op threads (0: torch's default)")
+    read_passes: int = opt(5, "passes over the store per read measurement")
+    max_tokens: int = opt(1024, "the trainer's packed row length (the recipe's)")
+    out: str = opt("/tmp/eyas-bench-extract", "the bench's folder: prepared data, stores, bench_extract.json")
+    engine_python: str = opt("", "also extract through vLLM (the python of its environment)")
+    engine_args: str = opt("--max-model-len 2048 --enforce-eager --max-num-seqs 8", "the vLLM engine's more arguments")
+    concurrency: int = opt(8, "eyas extract --concurrency, for the engine")
+    engine_only: bool = opt(False, "only figure 4 (the engine) and its references")
 
 
 def prepared_dataset(args, out: Path) -> Path:
@@ -156,9 +176,9 @@ def read_batches(store: Path, passes: int, max_tokens: int) -> tuple[float, int]
 def engine_figures(args, target, data: Path, cfg: ExtractConfig, out: Path) -> None:
     """4. extraction through a vLLM engine (started once, attached to: its start-up is timed apart) against local
     extraction and the bare forward pass, alternated in one run, each over the same samples."""
-    from eyas.core.engine import cpu_env
     from eyas.core.target import resolve_source
-    from eyas.store.engine import VllmEngine, vllm_layer_ids
+    from eyas.core.vllm_server import cpu_env
+    from eyas.store.vllm_states import VllmEngine, vllm_layer_ids
 
     t0 = time.perf_counter()
     ids = vllm_layer_ids(target.default_feature_layers(), target.num_layers)
@@ -167,7 +187,7 @@ def engine_figures(args, target, data: Path, cfg: ExtractConfig, out: Path) -> N
     engine = VllmEngine.start(args.engine_python, str(resolve_source(args.target)[1]), ids, out / "engine-tmp",
                               out / "engine.log", 8299, f"--dtype bfloat16 {args.engine_args}", env=env)
     startup = time.perf_counter() - t0
-    ecfg = dataclass_replace(cfg, store=str(out / "store-engine"), engine="vllm", engine_url=engine.url,
+    ecfg = dataclasses.replace(cfg, store=str(out / "store-engine"), engine="vllm", engine_url=engine.url,
                              concurrency=args.concurrency)
     rows = []
     try:
@@ -187,21 +207,7 @@ def engine_figures(args, target, data: Path, cfg: ExtractConfig, out: Path) -> N
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--data", default="", help="a prepared dataset; default: the first --samples of GSM8K train")
-    ap.add_argument("--samples", type=int, default=240)
-    ap.add_argument("--shard-mb", type=float, default=32.0, help="eyas extract --shard-mb")
-    ap.add_argument("--repeats", type=int, default=5, help="paired extraction runs (the median is reported)")
-    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    ap.add_argument("--read-passes", type=int, default=5, help="passes over the store per read measurement")
-    ap.add_argument("--max-tokens", type=int, default=1024, help="the trainer's packed row length (the recipe's)")
-    ap.add_argument("--out", default="/tmp/eyas-bench-extract")
-    ap.add_argument("--engine-python", default="", help="also extract through vLLM (the python of its environment)")
-    ap.add_argument("--engine-args", default="--max-model-len 2048 --enforce-eager --max-num-seqs 8")
-    ap.add_argument("--concurrency", type=int, default=8, help="eyas extract --concurrency, for the engine")
-    ap.add_argument("--engine-only", action="store_true", help="only figure 4 (the engine) and its references")
-    args = ap.parse_args()
+    args = parse(ExtractBenchConfig, description=__doc__.split("\n")[0])
     if args.threads:
         torch.set_num_threads(args.threads)
     tune_allocator()  # what extract does first; applied before both, so the ratio compares like with like
@@ -230,7 +236,7 @@ def main() -> None:
               f"   wall ratio {t_bare / t_ext:.3f}   cpu-time ratio {cpu_ratios[-1]:.3f}", flush=True)
     problems = StoreReader(cfg.store).verify()  # what `eyas store verify` runs: every checksum recomputed
     print(f"  store verify {cfg.store}: " + ("passed" if not problems else f"{len(problems)} problems: {problems[:3]}"))
-    compact = dataclass_replace(cfg, store=str(out / "store-compact"), compact=True)
+    compact = dataclasses.replace(cfg, store=str(out / "store-compact"), compact=True)
     t_bare, tokens = bare_forward(target, data, cfg)
     t_cmp = timed_extract(target, compact)
     print(f"  compact: bare {tokens / t_bare:.0f} tok/s, extract {tokens / t_cmp:.0f} tok/s,"
@@ -301,12 +307,6 @@ def main() -> None:
          f"({result['compact_over_reference']:.4f}x)"),
     ]))
     (out / "bench_extract.json").write_text(json.dumps(result, indent=2))
-
-
-def dataclass_replace(cfg, **kw):
-    import dataclasses
-
-    return dataclasses.replace(cfg, **kw)
 
 
 if __name__ == "__main__":

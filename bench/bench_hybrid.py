@@ -9,29 +9,34 @@ prompt by prompt on one runner; outputs are compared token for token.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
 import torch
-from bench_widen import common_args, load, side_by_side
+from bench_widen import BENCH_HELP, SideBySide, load, side_by_side
+
+from eyas.core.config import opt, parse
 
 
-def hybrid_args(doc: str):
-    """The arguments of a side-by-side bench of the hybrid on MT-Bench's (or another bench's) first turns."""
-    ap = common_args(bench="mt_bench", doc=doc)
-    ap.add_argument("--prompts", type=int, default=0, help="the first N prompts (0: every one the bench selects)")
-    ap.add_argument("--per-category", type=int, default=0, help="MT-Bench: the first N questions of each category")
-    ap.add_argument("--chain", type=int, default=7, help="the draft's longest chain")
-    ap.add_argument("--lookup", type=int, default=7, help="prompt lookup's longest match")
-    return ap
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HybridConfig(SideBySide):
+    """The settings of a side-by-side bench of the hybrid on MT-Bench's (or another bench's) first turns."""
+
+    bench: str = opt("mt_bench", BENCH_HELP)
+    prompts: int = opt(0, "the first N prompts (0: every one the bench selects)")
+    per_category: int = opt(0, "MT-Bench: the first N questions of each category")
+    chain: int = opt(7, "the draft's longest chain")
+    lookup: int = opt(7, "prompt lookup's longest match")
 
 
 def main() -> None:
-    a = hybrid_args(__doc__).parse_args()
+    a = parse(HybridConfig, description=__doc__.split("\n\n")[0])
 
-    from eyas.speculate.drafters import Controller, Eagle3Drafter, HybridDrafter, PromptLookupDrafter
+    from eyas.speculate.controller import Controller
+    from eyas.speculate.drafters import Eagle3Drafter, HybridDrafter, PromptLookupDrafter
     from eyas.speculate.evaluate import Method, load_bench
-    from eyas.speculate.runner import effective_latency
+    from eyas.speculate.target_forward import effective_latency
 
     target, draft, runner, dtype, latency, widths = load(a, sorted(set(range(1, a.chain + a.lookup + 2)) | {24, 32}))
     cost = effective_latency(latency, widths)

@@ -9,12 +9,31 @@ Prints the CPU, the machine's load before and after (measure on a quiet machine)
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import os
 import platform
 import time
 
 import torch
+
+from eyas.core.config import opt, parse
+from eyas.core.options import Dtype, dtype_opt, target_opt
+from eyas.core.precision import FULL
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LinearConfig:
+    target: str = target_opt()
+    bench: str = opt("gsm8k", "mt_bench, gsm8k or a JSONL file (first turns only)")
+    prompts: int = opt(6, "the first N prompts")
+    new: int = opt(64, "new tokens per prompt")
+    rounds: int = opt(3, "latency tables per side, alternated")
+    dtype: Dtype = dtype_opt("the target", auto="fp32 here, the bench's reference")
+
+    @property
+    def torch_dtype(self) -> str:
+        """The dtype's full name; auto is float32 (this bench's figures so far)."""
+        return FULL.get(self.dtype, "float32")
 
 
 def cpu_name() -> str:
@@ -26,23 +45,16 @@ def cpu_name() -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--bench", default="gsm8k", help="mt_bench, gsm8k or a JSONL file (first turns only)")
-    ap.add_argument("--prompts", type=int, default=6)
-    ap.add_argument("--new", type=int, default=64, help="new tokens per prompt")
-    ap.add_argument("--rounds", type=int, default=3, help="latency tables per side, alternated")
-    ap.add_argument("--dtype", default="float32")
-    a = ap.parse_args()
+    a = parse(LinearConfig, description=__doc__.split("\n\n")[0])
 
     from eyas.core.target import load_target
     from eyas.data.chat import ChatRenderer
     from eyas.speculate.decode import plain_generate
     from eyas.speculate.evaluate import load_bench, stop_ids
-    from eyas.speculate.runner import LeanRunner, measure_latency
+    from eyas.speculate.target_forward import LeanRunner, measure_latency
 
     print(f"{cpu_name()}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f} before")
-    target = load_target(a.target, dtype=a.dtype)
+    target = load_target(a.target, dtype=a.torch_dtype)
     runner = LeanRunner(target, target.default_feature_layers())
     sides = ("torch", "few-rows")
     qs = (1, 2, 3, 4, 5, 8, 16)
@@ -67,7 +79,7 @@ def main() -> None:
             tally[s][1] += g.decode_s
             out[s] = g.tokens
         same += out["torch"] == out["few-rows"]
-    print(f"{target.name} {a.dtype}; t(q) ms, the median of {a.rounds} rounds of 5 alternated")
+    print(f"{target.name} {a.torch_dtype}; t(q) ms, the median of {a.rounds} rounds of 5 alternated")
     print(f"{'q':>3} {'F.linear':>9} {'few-rows':>9} {'ratio':>6}")
     for q in qs:
         t0, t1 = (sorted(lat[s][q])[len(lat[s][q]) // 2] * 1e3 for s in sides)

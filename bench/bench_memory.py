@@ -8,7 +8,7 @@ as transformers loaded them and after `eyas.core.memory` moved them into huge pa
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import os
 import statistics
 import time
@@ -17,9 +17,17 @@ os.environ["EYAS_HUGEPAGES"] = "0"  # the bench moves the weights itself, for th
 
 import torch  # noqa: E402
 
-from eyas.core import memory
-from eyas.core.generate import BatchGenerator  # noqa: E402
+from eyas.core import memory  # noqa: E402
+from eyas.core.config import opt, parse  # noqa: E402
+from eyas.core.options import target_opt  # noqa: E402
 from eyas.core.target import load_target  # noqa: E402
+from eyas.models.generation import BatchGenerator  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemoryConfig:
+    target: str = target_opt()
+    repeats: int = opt(5, "alternated repeats of both page sizes (medians shown)")
 
 
 def timed(fn, n: int) -> float:
@@ -31,10 +39,7 @@ def timed(fn, n: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--repeats", type=int, default=5)
-    args = ap.parse_args()
+    args = parse(MemoryConfig, description=__doc__.splitlines()[0])
     small = load_target(args.target, dtype="bfloat16")
     huge = load_target(args.target, dtype="bfloat16")
     gens = {"4 KiB pages": BatchGenerator(small)}  # its fused weights too stay in 4 KiB pages

@@ -31,15 +31,14 @@ attention over the context, a few per cent more at these lengths, is left out, s
     python bench/bench_regenerate.py --methods slots --workers 1 2 --hogs 0 2   # worker processes, quiet and loaded
     python bench/bench_regenerate.py --attention      # the single-query attention alone: cost per call and per column
 
-`--attention` times eyas.core.generate.decode_attention on SmolLM2-135M's shapes over a cache slice, against
+`--attention` times eyas.models.llama.decode_attention on SmolLM2-135M's shapes over a cache slice, against
 bmm over the strided slice without the copy and against scaled_dot_product_attention, at several row counts and
 widths; one row's time (the cost of a call) over the cost of a row-column at 32-128 rows is what
-eyas.core.generate.GROUP estimates.
+eyas.models.generation.GROUP estimates.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import statistics
@@ -49,7 +48,51 @@ import tempfile
 import time
 from pathlib import Path
 
+from eyas.core.config import check, opt, parse
+from eyas.core.options import Dtype, dtype_opt, target_opt
+from eyas.core.precision import FULL
+
 NO_ENGINE = ("", "eyas")  # the (thread binding, preload) of runs that start no engine
+METHODS = ("slots", "batches", "hf", "server", "engine")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RegenerateBenchConfig:
+    target: str = target_opt()
+    data: str = opt("gsm8k-train", "the conversations (eyas regenerate --data)")
+    samples: int = opt(256, "the first N conversations")
+    max_new_tokens: int = opt(256, "new tokens per reply at most")
+    max_turns: int = opt(0, "answer only the first N user turns (0: all)")
+    dtype: Dtype = dtype_opt("the target", auto="bf16 here, the bench's reference")
+    batch: tuple[int, ...] = opt((32, 64), "the local methods' batch sizes (slots per worker), each in turn")
+    server: str = opt("", "the server method's URL")
+    concurrency: tuple[int, ...] = opt((16, 64), "the server and engine methods'")
+    engine_python: str = opt("", "the engine method's vLLM python (eyas.core.vllm_server)")
+    engine_args: str = opt("", "the engine method's more server arguments")
+    methods: tuple[str, ...] = opt(("slots", "batches", "hf"), "the methods, alternated", choices=METHODS)
+    repeats: int = opt(1, "rounds of every method (medians shown)")
+    hogs: tuple[int, ...] = opt((0,), "run everything beside this many busy processes (python -c 'while True: "
+                                      "pass'), each in turn")
+    engine_bind: tuple[str, ...] = opt(
+        ("eyas",), "the engine's threads: eyas's choice from the free cores (eyas.core.vllm_server.cpu_env) or "
+                   "vLLM's own binding, one thread to each core (VLLM_CPU_OMP_THREADS_BIND=auto); with several "
+                   "--hogs the engine starts anew beside each number of busy processes", choices=("eyas", "vllm"))
+    engine_preload: tuple[str, ...] = opt(
+        ("eyas",), "the engine's LD_PRELOAD: eyas's choice (tcmalloc and Intel's OpenMP where found, "
+                   "eyas.core.vllm_server.preload), 'none', or libraries as LD_PRELOAD takes them; one engine each")
+    workers: tuple[int, ...] = opt((1,), "the local methods (slots, hf) on this many worker processes "
+                                         "(eyas.data.workers), each in turn; each worker has --batch slots")
+    attention: bool = opt(False, "time the single-query attention alone")
+
+    def __post_init__(self):
+        empty = [f"--{n.replace('_', '-')}" for n in ("batch", "concurrency", "methods", "hogs", "engine_bind",
+                                                      "engine_preload", "workers") if not getattr(self, n)]
+        check(not empty, f"{' '.join(empty)} given no value", "give each one value or more, or leave it out")
+
+    @property
+    def torch_dtype(self) -> str:
+        """The dtype's full name; auto is bfloat16 (this bench's figures so far)."""
+        return FULL.get(self.dtype, "bfloat16")
 
 
 class Tally:
@@ -71,50 +114,23 @@ class Tally:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--data", default="gsm8k-train")
-    ap.add_argument("--samples", type=int, default=256)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--max-turns", type=int, default=0, help="answer only the first N user turns (0: all)")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--batch", type=int, nargs="+", default=[32, 64])
-    ap.add_argument("--server", default="", help="the server method's URL")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 64], help="the server and engine methods'")
-    ap.add_argument("--engine-python", default="", help="the engine method's vLLM python (eyas.core.engine)")
-    ap.add_argument("--engine-args", default="", help="the engine method's more server arguments")
-    ap.add_argument("--methods", nargs="+", default=["slots", "batches", "hf"])
-    ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--hogs", type=int, nargs="+", default=[0],
-                    help="run everything beside this many busy processes (python -c 'while True: pass'), each in turn")
-    ap.add_argument("--engine-bind", nargs="+", default=["eyas"], choices=["eyas", "vllm"],
-                    help="the engine's threads: eyas's choice from the free cores (eyas.core.engine.cpu_env) or "
-                         "vLLM's own binding, one thread to each core (VLLM_CPU_OMP_THREADS_BIND=auto); with "
-                         "several --hogs the engine starts anew beside each number of busy processes")
-    ap.add_argument("--engine-preload", nargs="+", default=["eyas"],
-                    help="the engine's LD_PRELOAD: eyas's choice (tcmalloc and Intel's OpenMP where found, "
-                         "eyas.core.engine.preload), 'none', or libraries as LD_PRELOAD takes them; one engine each")
-    ap.add_argument("--workers", type=int, nargs="+", default=[1],
-                    help="the local methods (slots, hf) on this many worker processes (eyas.data.workers), each in "
-                         "turn; each worker has --batch slots")
-    ap.add_argument("--attention", action="store_true", help="time the single-query attention alone")
-    a = ap.parse_args()
+    a = parse(RegenerateBenchConfig, description=__doc__)
     if a.attention:
-        return attention_bench(a.dtype)
+        return attention_bench(a.torch_dtype)
 
 
     from eyas.core.log import Console
-    from eyas.data.engine import EngineBackend
     from eyas.data.formats import Issues
     from eyas.data.local import run_batches, run_slots
     from eyas.data.regenerate import pending, run_local
     from eyas.data.server import run_server
+    from eyas.data.vllm_backend import EngineBackend
     from eyas.data.workers import Workers
 
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                "unknown CPU")
-    print(f"bench_regenerate: {cpu}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}; {a.target} {a.dtype}, "
-          f"{a.samples} {a.data} conversations, up to {a.max_new_tokens} new tokens")
+    print(f"bench_regenerate: {cpu}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}; {a.target} "
+          f"{a.torch_dtype}, {a.samples} {a.data} conversations, up to {a.max_new_tokens} new tokens")
     con = Console(quiet=True)
     backends = {}
     results: dict[tuple[str, str], list[float]] = {}
@@ -177,11 +193,11 @@ def backend_for(a, m: str, n: int, backends: dict, con, engine_out: Path, engine
     """The backend of method `m` at batch size / concurrency `n`: one loaded target per generator and number of
     worker processes, one engine for every concurrency of a thread binding and preload (one engine at a time;
     its start-up and threads are printed, not counted)."""
-    from eyas.core.engine import cpu_env, vllm_python
-    from eyas.data.engine import EngineBackend
+    from eyas.core.vllm_server import cpu_env, vllm_python
     from eyas.data.local import LocalBackend
     from eyas.data.regenerate import RegenerateConfig
     from eyas.data.server import ServerBackend
+    from eyas.data.vllm_backend import EngineBackend
     from eyas.data.workers import Workers
 
     gen = "hf" if m == "hf" else "lean"
@@ -189,7 +205,7 @@ def backend_for(a, m: str, n: int, backends: dict, con, engine_out: Path, engine
                            server=a.server if m == "server" else "", engine="vllm" if m == "engine" else "local",
                            engine_python=a.engine_python, engine_args=a.engine_args, max_new_tokens=a.max_new_tokens,
                            max_turns=a.max_turns,
-                           dtype=a.dtype, generator=gen, quiet=True, out=str(engine_out))
+                           dtype=a.torch_dtype, generator=gen, quiet=True, out=str(engine_out))
     key = (m, engine) if m in ("server", "engine") else (gen, workers)
     if key not in backends:
         if m == "engine":  # one engine at a time: an idle one beside would be other work
@@ -233,8 +249,8 @@ def report(a, backends: dict, results: dict, replies: dict) -> None:
     from eyas.data.local import LocalBackend
 
     loaded = next((b.target for b in backends.values() if isinstance(b, LocalBackend)), None)
-    rate, per_token = gemm_rate(loaded or load_target(a.target, dtype=a.dtype, device=torch.device("cpu")))
-    print(f"GEMM rate ({a.dtype}, the fused [gate|up] weight x 512 rows): {rate / 1e9:.0f} GFLOP/s; "
+    rate, per_token = gemm_rate(loaded or load_target(a.target, dtype=a.torch_dtype, device=torch.device("cpu")))
+    print(f"GEMM rate ({a.torch_dtype}, the fused [gate|up] weight x 512 rows): {rate / 1e9:.0f} GFLOP/s; "
           f"{per_token / 1e6:.0f} MFLOP per token in the weights")
     med = {k: statistics.median(v) for k, v in results.items()}
     print(f"{'method':8s} {'setting':16s} {'tokens/s':>9s} {'efficiency':>10s}   (median of {a.repeats})")
@@ -278,8 +294,9 @@ def attention_bench(dtype: str) -> None:
     import torch
     import torch.nn.functional as F
 
-    from eyas.core.generate import GROUP, decode_attention, mask_bias
     from eyas.core.memory import tune_allocator
+    from eyas.models.generation import GROUP
+    from eyas.models.llama import decode_attention, mask_bias
 
     tune_allocator()
     dt = getattr(torch, dtype)
@@ -326,7 +343,7 @@ def gemm_rate(t) -> tuple[float, float]:
     import torch
     import torch.nn.functional as F
 
-    from eyas.core.generate import BatchGenerator
+    from eyas.models.generation import BatchGenerator
 
     lean = BatchGenerator(t)
     weights = [*lean.wqkv, *lean.wgu] + [m.weight for layer in lean.layers

@@ -17,7 +17,7 @@ The machine is shared: every figure is a median or a sum over interleaved repeti
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -25,11 +25,34 @@ import time
 
 import torch
 
+from eyas.core.config import opt, parse
+from eyas.core.options import Dtype, dtype_opt, target_opt
+from eyas.core.precision import FULL
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SpeculateBenchConfig:
+    target: str = target_opt()
+    dtype: Dtype = dtype_opt("the target and the draft", auto="bf16 here, the bench's reference")
+    threads: int = opt(2, "torch threads")
+    reps: int = opt(7, "interleaved repetitions of the latency tables")
+    prompts: int = opt(3, "MT-Bench prompts of the end-to-end and quant parts")
+    new: int = opt(96, "new tokens per prompt")
+    skip: tuple[str, ...] = opt((), "parts to skip", choices=("latency", "draft", "e2e", "quant"))
+    draft: str = opt("untrained", "draft for the quant part (a trained one: its tau moves)")
+    draft_prefix: int = opt(300, "committed positions before the timed proposals")
+    out: str = opt("/tmp/eyas-bench-speculate", "the bench's folder (bench.json, the evaluations)")
+
+    @property
+    def torch_dtype(self) -> str:
+        """The dtype's full name; auto is bfloat16 (this bench's figures so far)."""
+        return FULL.get(self.dtype, "bfloat16")
+
 
 def latency_tables(target, layers, qs, reps, prefix):
     from transformers import DynamicCache
 
-    from eyas.speculate.runner import HFRunner, LeanRunner, measure_latency
+    from eyas.speculate.target_forward import HFRunner, LeanRunner, measure_latency
 
     out = {"lean": measure_latency(LeanRunner(target, layers), qs, prefix=prefix, reps=reps)}
     hf = HFRunner(target, layers)
@@ -84,7 +107,7 @@ def draft_times(target, draft, reps=20, prefix=300):
 
     from eyas.draft.model import Eagle3Draft
     from eyas.speculate.drafters import Eagle3Drafter, TreeShape
-    from eyas.speculate.runner import LeanRunner
+    from eyas.speculate.target_forward import LeanRunner
 
     def way_of(way: str):  # the concatenating reference, patched in for its own calls only
         if way == "concat":
@@ -120,25 +143,14 @@ def draft_times(target, draft, reps=20, prefix=300):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--prompts", type=int, default=3)
-    ap.add_argument("--new", type=int, default=96)
-    ap.add_argument("--skip", nargs="*", default=(), help="parts to skip: latency draft e2e quant")
-    ap.add_argument("--draft", default="untrained", help="draft for the quant part (a trained one: its tau moves)")
-    ap.add_argument("--draft-prefix", type=int, default=300, help="committed positions before the timed proposals")
-    ap.add_argument("--out", default="/tmp/eyas-bench-speculate")
-    args = ap.parse_args(argv)
+    args = parse(SpeculateBenchConfig, argv, description=__doc__)
     torch.set_num_threads(args.threads)
     from eyas.core.target import load_target
     from eyas.speculate.evaluate import EvalConfig, load_draft, run
 
-    target = load_target(args.target, dtype=args.dtype)
+    target = load_target(args.target, dtype=args.torch_dtype)
     draft = load_draft("untrained", target, target.device, target.dtype)
-    res = {"threads": args.threads, "target": args.target, "dtype": args.dtype}
+    res = {"threads": args.threads, "target": args.target, "dtype": args.torch_dtype}
     if "latency" not in args.skip:
         tables = latency_tables(target, draft.cfg.feature_layers, (1, 4, 8, 16, 32), args.reps, 300)
         res["latency_ms"] = {k: {q: round(1000 * v, 2) for q, v in t.items()} for k, t in tables.items()}
@@ -159,7 +171,7 @@ def main(argv=None):
         for name, kw in (("untrained adaptive", dict(adaptive=True, baselines=("oracle", "prompt-lookup"))),
                          ("untrained fixed k", dict(adaptive=False, baselines=("oracle",)))):
             cfg = EvalConfig(target=args.target, draft="untrained", bench="mt_bench", num_prompts=args.prompts,
-                             max_new_tokens=args.new, chain=(3, 5, 7), dtype=args.dtype, threads=args.threads,
+                             max_new_tokens=args.new, chain=(3, 5, 7), dtype=args.torch_dtype, threads=args.threads,
                              out=os.path.join(args.out, name.replace(" ", "_")), quiet=True, **kw)
             r = run(cfg)
             res[name] = {"baseline": r["baseline"], "configs": [{k: c[k] for k in (
@@ -172,7 +184,7 @@ def main(argv=None):
         for quant in ("none", "int8"):
             cfg = EvalConfig(target=args.target, draft=args.draft, bench="mt_bench", num_prompts=args.prompts,
                              max_new_tokens=args.new, chain=(3,), baselines=(), adaptive=False, hf_generate=False,
-                             dtype=args.dtype, threads=args.threads, draft_quant=quant, quiet=True,
+                             dtype=args.torch_dtype, threads=args.threads, draft_quant=quant, quiet=True,
                              out=os.path.join(args.out, f"quant_{quant}"))
             runs[quant] = run(cfg)["configs"][0]
         res["quant"] = {q: {k: c[k] for k in ("tau", "speedup", "draft_step_ms")} for q, c in runs.items()}

@@ -23,7 +23,7 @@ gradients; the rate is the ranks' tokens together.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import os
 import statistics
 import subprocess
@@ -32,7 +32,25 @@ import time
 
 import torch
 
+from eyas.core.config import check, opt, parse
+from eyas.core.options import target_opt
+
 HOG = "while True: pass"
+KERNELS = ("regenerate", "extract", "train", "evaluate")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ThreadsBenchConfig:
+    target: str = target_opt()
+    kernels: tuple[str, ...] = opt(KERNELS, "the stages' kernels measured", choices=KERNELS)
+    seconds: float = opt(8.0, "each cell's kernel runs this long after a warm-up")
+    hogs: tuple[int, ...] = opt((0, 1, 2), "busy processes beside the kernels, each number in turn")
+    repeats: int = opt(1, "rounds of every condition, alternated (medians shown)")
+    ranks: int = opt(0, "ranks of the ranked mode for regenerate, extract and train (default: one per core; 1: none)")
+
+    def __post_init__(self):
+        check(bool(self.kernels) and bool(self.hogs), "--kernels or --hogs given no value",
+              "give each one value or more, or leave it out")
 
 
 def kernels(target, names: list[str], env=None) -> dict:
@@ -143,15 +161,7 @@ def ranked(target_name: str, name: str, seconds: float, world: int) -> tuple[flo
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--kernels", nargs="+", default=["regenerate", "extract", "train", "evaluate"])
-    ap.add_argument("--seconds", type=float, default=8.0)
-    ap.add_argument("--hogs", nargs="+", type=int, default=[0, 1, 2])
-    ap.add_argument("--repeats", type=int, default=1, help="rounds of every condition, alternated (medians shown)")
-    ap.add_argument("--ranks", type=int, default=0,
-                    help="ranks of the ranked mode for regenerate, extract and train (default: one per core; 1: none)")
-    a = ap.parse_args()
+    a = parse(ThreadsBenchConfig, description=__doc__)
 
     from eyas.core.target import load_target
     from eyas.core.threads import Threads

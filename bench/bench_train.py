@@ -14,7 +14,7 @@ Writes OUT/bench_train.json and prints one line per figure. Extra `eyas train` f
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -23,6 +23,24 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from eyas.core.config import check, opt, parse
+from eyas.core.options import target_opt
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainBenchConfig:
+    store: str = opt("", "the eyas store trained on; required")
+    target: str = target_opt()
+    ttt_steps: int = opt(3, "eyas train --ttt-steps")
+    draft_vocab: int = opt(32000, "eyas train --draft-vocab")
+    out: str = opt("/tmp/eyas-bench-train", "the bench's folder: the runs and bench_train.json")
+    repeats: int = opt(3, "alternations of the overhead measurement")
+    overhead_steps: int = opt(12, "optimizer steps of each overhead measurement")
+    skip: tuple[str, ...] = opt((), "parts to skip", choices=("scaling", "overhead"))
+
+    def __post_init__(self):
+        check(bool(self.store), "--store is required", "give an eyas store folder, e.g. --store runs/demo/store")
 
 
 def cores() -> int:
@@ -61,10 +79,11 @@ def overhead(args, work: Path, extra: list[str]) -> dict:
     from eyas.core import dist
     from eyas.core.config import from_mapping
     from eyas.core.log import NullConsole
-    from eyas.train.data import load_micro_batch, needed_rows, sparse_target_logp
-    from eyas.train.engine import autocast
+    from eyas.train.batches import load_micro_batch, needed_rows, sparse_target_logp
+    from eyas.train.objective import autocast
+    from eyas.train.settings import TrainConfig
     from eyas.train.sharding import shard_epoch
-    from eyas.train.trainer import TrainConfig, Trainer
+    from eyas.train.trainer import Trainer
 
     def trainer(tag: str) -> Trainer:
         out = work / f"overhead-{tag}"
@@ -90,7 +109,7 @@ def overhead(args, work: Path, extra: list[str]) -> dict:
         t0 = time.perf_counter()
         for window in windows:
             for b in window:
-                b = t.prepare(b)
+                b = t.to_device(b)
                 with autocast(t.env.device, t.dtype):
                     v = t.valid(b)
                     with torch.no_grad():
@@ -131,16 +150,7 @@ def main() -> None:
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--store", required=True)
-    ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--ttt-steps", type=int, default=3)
-    ap.add_argument("--draft-vocab", type=int, default=32000)
-    ap.add_argument("--out", default="/tmp/eyas-bench-train")
-    ap.add_argument("--repeats", type=int, default=3, help="alternations of the overhead measurement")
-    ap.add_argument("--overhead-steps", type=int, default=12)
-    ap.add_argument("--skip", nargs="*", default=(), choices=("scaling", "overhead"))
-    args = ap.parse_args(argv)
+    args = parse(TrainBenchConfig, argv, description=__doc__)
     work = Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
     n = cores()

@@ -22,7 +22,7 @@ already resident, as for every step of a training run after its first). The old 
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -32,7 +32,33 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from eyas.core.config import check, opt, parse  # noqa: E402
+from eyas.core.options import Dtype, dtype_opt  # noqa: E402
+
 STEPS, VOCAB, DRAFT_VOCAB = 7, 49152, 32000
+CHILD = "--child"  # `bench_ttt_memory.py --child IMPL T DTYPE THREADS ANNOUNCE`: one measured step (measure())
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TTTMemoryConfig:
+    lengths: tuple[int, ...] = opt((512, 1024, 2048, 4096, 8192), "the sequence lengths T measured")
+    dtype: Dtype = dtype_opt("the TTT step", auto="bf16 here: autocast, the recipe's dtype on a CPU with bf16 "
+                                                  "matmuls")
+    threads: int = opt(1, "torch threads of each measured process")
+    old_max_t: int = opt(4096, "skip the old implementation above this T")
+    timeout: float = opt(300.0, "seconds per measured step before it is killed")
+    unannounced: bool = opt(False, "the new path without the step weights (ttt_forward's step_scale): the head's "
+                                   "weight gradient is then computed in backward")
+
+    def __post_init__(self):
+        check(bool(self.lengths), "--lengths given no value", "give one length or more, e.g. --lengths 512 1024")
+        check(self.dtype != "fp16", "--dtype fp16: the TTT step here runs in bf16 autocast or fp32",
+              "use --dtype bf16 (auto) or fp32")
+
+    @property
+    def compute(self) -> str:
+        """bf16 or fp32: auto is bf16."""
+        return "fp32" if self.dtype == "fp32" else "bf16"
 
 
 def status(field: str) -> int:
@@ -50,7 +76,7 @@ def child(impl: str, T: int, dtype: str, threads: int, announce: bool) -> dict:
 
     from eyas.draft import ttt
     from eyas.draft.model import DraftConfig, Eagle3Draft
-    from eyas.train import data
+    from eyas.train import batches as data
 
     torch.set_num_threads(threads)
     cfg = DraftConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
@@ -99,8 +125,7 @@ def child(impl: str, T: int, dtype: str, threads: int, announce: bool) -> dict:
 
 def measure(impl: str, T: int, a) -> dict | str:
     """child() in a fresh process; its figures, or why there are none."""
-    cmd = [sys.executable, __file__, "--child", impl, str(T), "--dtype", a.dtype, "--threads", str(a.threads)]
-    cmd += ["--unannounced"] if a.unannounced else []
+    cmd = [sys.executable, __file__, CHILD, impl, str(T), a.compute, str(a.threads), str(int(not a.unannounced))]
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads))
     try:
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
@@ -126,23 +151,14 @@ def cell(r, key: str, fmt: str) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
-    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--old-max-t", type=int, default=4096, help="skip the old implementation above this T")
-    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per measured step before it is killed")
-    ap.add_argument("--unannounced", action="store_true",
-                    help="the new path without the step weights (ttt_forward's step_scale): the head's weight "
-                         "gradient is then computed in backward")
-    ap.add_argument("--child", nargs=2, metavar=("IMPL", "T"), help=argparse.SUPPRESS)
-    a = ap.parse_args()
-    if a.child:
-        print(json.dumps(child(a.child[0], int(a.child[1]), a.dtype, a.threads, not a.unannounced)))
+    if sys.argv[1:2] == [CHILD]:
+        impl, T, dtype, threads, announce = sys.argv[2:]
+        print(json.dumps(child(impl, int(T), dtype, int(threads), announce == "1")))
         return
+    a = parse(TTTMemoryConfig, description=__doc__.splitlines()[0])
     print(f"bench_ttt_memory: {cpu()}, {os.cpu_count()} cores, {load()}")
     print(f"one TTT forward+backward, k={STEPS}, 1-layer SmolLM2-135M-shaped draft, draft vocabulary {DRAFT_VOCAB:,}, "
-          f"B=1, {a.dtype}, {a.threads} thread(s); peak = VmHWM - VmRSS of a fresh process"
+          f"B=1, {a.compute}, {a.threads} thread(s); peak = VmHWM - VmRSS of a fresh process"
           + ("; new without step_scale" if a.unannounced else ""))
     rows = []
     for T in a.lengths:

@@ -8,21 +8,25 @@ is each sample's first (checked) read, later rounds find the shards in the page 
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import os
 import time
 
 import numpy as np
 
+from eyas.core.config import opt, parse
 from eyas.draft.vocab import count_tokens
 from eyas.store.reader import StoreReader
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VocabConfig:
+    store: str = opt(None, "an eyas store folder", positional=True)
+    rounds: int = opt(3, "rounds of both counts, alternated")
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("store")
-    ap.add_argument("--rounds", type=int, default=3)
-    a = ap.parse_args()
+    a = parse(VocabConfig, description=__doc__)
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     size = sum(f.stat().st_size for f in os.scandir(os.path.join(a.store, "shards")))
     vocab = StoreReader(a.store).identity["vocab_size"]

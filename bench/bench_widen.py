@@ -1,5 +1,5 @@
-"""Verification in a wider forward (eyas.speculate.runner.verify_widths) against q-row verification, side by side
-on a real target and draft: the latency table t(q) and the widths it picks, then each method's decode tokens/s
+"""Verification in a wider forward (eyas.speculate.target_forward.verify_widths) against q-row verification, side
+by side on a real target and draft: the latency table t(q) and the widths it picks, then each method's decode tokens/s
 with and without widening, alternated prompt by prompt on one runner, outputs compared token for token.
 
     python bench/bench_widen.py --draft runs/packing-gsm8k/unpacked/final --bench gsm8k --prompts 10
@@ -11,27 +11,55 @@ t(q) grows with q nothing is widened and the script says so.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import time
 
 import torch
 
+from eyas.core.config import check, opt, parse
+from eyas.core.options import Dtype, dtype_opt, target_opt
+
+BENCH_HELP = "mt_bench, gsm8k or a JSONL file (first turns only)"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SideBySide:
+    """The settings every side-by-side decoding bench takes."""
+
+    target: str = target_opt()
+    draft: str = opt("", "an eyas draft checkpoint folder (train's final/); required")
+    bench: str = opt("gsm8k", BENCH_HELP)
+    new: int = opt(128, "new tokens per prompt")
+    dtype: Dtype = dtype_opt("the target and the draft")
+    threads: int = opt(0, "torch threads (0: torch's default, every core)")
+    out: str = opt("", "write the figures here as JSON")
+
+    def __post_init__(self):
+        check(bool(self.draft), "--draft is required", "give an eyas draft checkpoint folder (train's final/)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WidenConfig(SideBySide):
+    prompts: int = opt(10, "the first N prompts")
+    chain: tuple[int, ...] = opt((3, 7), "the draft's chain lengths, one method each")
+    adaptive: bool = opt(True, "the adaptive controller (--no-adaptive: every round drafts in full)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        check(bool(self.chain), "--chain is empty", "give one chain length or more, e.g. --chain 3 7")
+
 
 def main() -> None:
-    ap = common_args(bench="gsm8k")
-    ap.add_argument("--prompts", type=int, default=10)
-    ap.add_argument("--chain", type=int, nargs="+", default=[3, 7])
-    ap.add_argument("--no-adaptive", dest="adaptive", action="store_false", help="every round drafts in full")
-    a = ap.parse_args()
+    a = parse(WidenConfig, description=__doc__.split("\n\n")[0])
 
     from eyas.speculate.evaluate import EvalConfig, build_methods, load_bench
-    from eyas.speculate.runner import effective_latency
+    from eyas.speculate.target_forward import effective_latency
 
-    target, draft, runner, dtype, latency, widths = load(a, sorted(set(range(1, max(a.chain + [7]) + 2)) | {12, 16}))
+    target, draft, runner, dtype, latency, widths = load(a, sorted(set(range(1, max((*a.chain, 7)) + 2)) | {12, 16}))
     if not widths:
         return
-    cfg = EvalConfig(draft=a.draft, chain=tuple(a.chain), tree=False, adaptive=a.adaptive,
+    cfg = EvalConfig(draft=a.draft, chain=a.chain, tree=False, adaptive=a.adaptive,
                      baselines=("prompt-lookup", "hybrid"))
     sides = {"narrow": ({}, build_methods(cfg, draft, {}, latency, target.vocab_size)),
              "wide": (widths, build_methods(cfg, draft, {}, effective_latency(latency, widths), target.vocab_size))}
@@ -43,26 +71,13 @@ def main() -> None:
                        "dtype": dtype, "when": time.strftime("%Y-%m-%d %H:%M")}, f, indent=1)
 
 
-def common_args(bench: str, doc: str = __doc__) -> argparse.ArgumentParser:
-    """The arguments every side-by-side decoding bench takes (`doc`: the bench's docstring, for --help)."""
-    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--draft", required=True, help="an eyas draft checkpoint folder (train's final/)")
-    ap.add_argument("--bench", default=bench, help="mt_bench, gsm8k or a JSONL file (first turns only)")
-    ap.add_argument("--new", type=int, default=128, help="new tokens per prompt")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, every core)")
-    ap.add_argument("--out", default="", help="write the figures here as JSON")
-    return ap
-
-
 def load(a, qs: list[int]):
     """Target, draft and runner as `eyas evaluate` makes them, t(q) measured for qs and the verify widths it picks,
     printed. -> (target, draft, runner, dtype, latency, widths)"""
     from eyas.core.precision import choose_dtype
     from eyas.core.target import load_target
     from eyas.speculate.evaluate import load_draft
-    from eyas.speculate.runner import make_runner, measure_latency, verify_widths
+    from eyas.speculate.target_forward import make_runner, measure_latency, verify_widths
 
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -20,13 +20,14 @@ Formulas (bytes; B = 1 packed row per micro-batch, T the packing length, k the T
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import tempfile
 from pathlib import Path
 
 import torch
 
+from eyas.core.config import opt, parse
 from eyas.core.weights import load_target_shell
 from eyas.draft.model import DraftConfig, Eagle3Draft
 
@@ -102,14 +103,17 @@ def report(name: str, config: dict, gpus: int, tokens: float, samples: int, T: i
           f"{tokens / (gpus * per_gpu) / 60:.0f} min")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScaleConfig:
+    max_tokens: int = opt(8192, "packing length T (speculators packs to 8,192)")
+    ttt_steps: int = opt(7, "training-time-test steps k")
+    draft_vocab: int = opt(32000, "the draft's vocabulary")
+    mfu: float = opt(0.4, "assumed model-FLOPs utilisation")
+    peak_tflops: float = opt(989.0, "dense bf16 peak per GPU (H100 SXM: 989)")
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--max-tokens", type=int, default=8192, help="packing length T (speculators packs to 8,192)")
-    ap.add_argument("--ttt-steps", type=int, default=7)
-    ap.add_argument("--draft-vocab", type=int, default=32000)
-    ap.add_argument("--mfu", type=float, default=0.4, help="assumed model-FLOPs utilisation")
-    ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (H100 SXM: 989)")
-    a = ap.parse_args()
+    a = parse(ScaleConfig, description=__doc__)
     for name, (config, gpus, tokens, samples) in RUNS.items():
         report(name, config, gpus, tokens, samples, a.max_tokens, a.ttt_steps, a.draft_vocab, a.mfu, a.peak_tflops)
 

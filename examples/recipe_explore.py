@@ -17,7 +17,7 @@ them first to keep both; give the reference row in every run, its tau reproduces
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -25,9 +25,9 @@ import time
 import tomllib
 from pathlib import Path
 
-from eyas.core.config import from_mapping, to_argv
+from eyas.core.config import check, from_mapping, opt, parse, to_argv
 from eyas.pipeline.demo import stages_from_toml
-from eyas.train.trainer import TrainConfig
+from eyas.train.settings import TrainConfig
 
 RECIPE = Path(__file__).with_name("smollm2-recipe.toml")
 
@@ -59,6 +59,18 @@ ROWS = {
                     {"store": "{x}/store-gsm8k-human", "epochs": 3}),
 }
 EVAL = {"mt_bench": ["--per-category", "1", "--num-prompts", "0"], "gsm8k": ["--num-prompts", "10"]}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExploreConfig:
+    run: str = opt("", "the recipe's run folder (holds prepared/ and store/); required")
+    rows: tuple[str, ...] = opt(tuple(ROWS), "the rows trained, evaluated and tabulated", choices=tuple(ROWS))
+    epochs: int = opt(1, "epochs of every row that does not set its own")
+    recipe: str = opt(str(RECIPE), "the recipe's TOML file")
+    max_new_tokens: int = opt(128, "eyas evaluate --max-new-tokens")
+
+    def __post_init__(self):
+        check(bool(self.run), "--run is required", "give the recipe's run folder, e.g. --run runs/smollm2-recipe")
 
 
 def recipe_settings(recipe: Path, run: Path) -> tuple[dict, int]:
@@ -103,13 +115,7 @@ def make_store(name: str, run: Path, x: Path, fill: dict) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--run", required=True, help="the recipe's run folder (holds prepared/ and store/)")
-    ap.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
-    ap.add_argument("--epochs", type=int, default=1, help="epochs of every row that does not set its own")
-    ap.add_argument("--recipe", default=str(RECIPE))
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    args = ap.parse_args()
+    args = parse(ExploreConfig, description=__doc__.split("\n")[0])
     run = Path(args.run).resolve()
     x = run / f"explore-e{args.epochs}"
     x.mkdir(exist_ok=True)

@@ -1,6 +1,6 @@
 """A stand-in for a vLLM server running `extract_hidden_states` with its hidden-states connector, for the unit
 suite (the real one is tests/integration/test_vllm_extract.py). It serves what eyas uses of vLLM's API and writes
-files the way vLLM 0.32's connector does (eyas.store.engine):
+files the way vLLM 0.32's connector does (eyas.store.vllm_states):
 
 - GET /health, GET /v1/models;
 - POST /v1/completions with `prompt` a list of token ids: the answer echoes them (`prompt_token_ids`) and names

@@ -3,7 +3,7 @@ test_evaluate.py). The trained one takes seconds to build and is kept in eyas's 
 
 - untrained: `init_weights` from the target's embedding and head, draft vocabulary from the tiny target's output;
 - trained: 150 steps of `ttt_forward` on the tiny target's own greedy outputs of 16 random prompts, features
-  captured by forward hooks (eyas.speculate.runner.HFRunner), against the target's distributions sharpened to
+  captured by forward hooks (eyas.speculate.target_forward.HFRunner), against the target's distributions sharpened to
   temperature 0.05 (a random model's distributions are nearly flat; greedy acceptance only needs the argmax).
   Tests that need acceptance use those same prompts (`random_prompts(16)`): the point is the engine, not the draft.
 """
@@ -23,7 +23,7 @@ from eyas.draft.model import DraftConfig, Eagle3Draft
 from eyas.draft.ttt import step_weights, ttt_forward
 from eyas.draft.vocab import build_draft_vocab, count_tokens
 from eyas.speculate.decode import plain_generate
-from eyas.speculate.runner import HFRunner, LeanRunner
+from eyas.speculate.target_forward import HFRunner, LeanRunner
 
 DRAFT_VOCAB = 512
 LR = 5e-3

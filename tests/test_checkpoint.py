@@ -23,8 +23,9 @@ from eyas.draft.checkpoint import (
     set_rng_state,
     unflatten_optimizer_state,
 )
-from eyas.train.engine import full_optimizer_state, load_optimizer_state
-from eyas.train.trainer import TrainConfig, run
+from eyas.train.parallelize import full_optimizer_state, load_optimizer_state
+from eyas.train.settings import TrainConfig
+from eyas.train.trainer import run
 from tests.train_fakes import write_store
 
 

@@ -67,12 +67,12 @@ def test_every_dtype_spelling_is_accepted_by_every_command():
     import argparse
     import dataclasses
 
+    from eyas.cli import SUMMARIES, command_code
     from eyas.core.config import DTYPE_ALIASES
-    from eyas.pipeline.commands import COMMANDS, load_stage
 
     seen = 0
-    for command in COMMANDS:
-        cls, _ = load_stage(command)
+    for command in SUMMARIES:
+        cls, _ = command_code(command)
         field = next((f for f in dataclasses.fields(cls) if f.name == "dtype"), None)
         if field is None:
             continue
@@ -90,11 +90,37 @@ def test_every_dtype_spelling_is_accepted_by_every_command():
     assert seen >= 6  # prepare-less stages: regenerate, extract, train, evaluate, export, plan
 
 
+def test_every_stage_shows_one_dtype_and_device_vocabulary():
+    """Issue 43: every command with a --dtype offers auto, bf16, fp32, fp16 with default auto, and every command
+    with a --device defaults to auto under one help text; a device no stage knows is refused the same way."""
+    import dataclasses
+
+    from eyas.cli import SUMMARIES, command_code
+    from eyas.core.options import DEVICE_HELP, DTYPES
+    from eyas.speculate.evaluate import EvalConfig
+
+    dtypes = devices = 0
+    for command in SUMMARIES:
+        cls, _ = command_code(command)
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        if "dtype" in fields:
+            dtypes += 1
+            assert fields["dtype"].default == "auto" and tuple(fields["dtype"].metadata["choices"]) == DTYPES, command
+        if "device" in fields:
+            devices += 1
+            assert fields["device"].default == "auto" and fields["device"].metadata["help"] == DEVICE_HELP, command
+    assert dtypes >= 7 and devices >= 5  # prompts, regenerate, extract, train, evaluate, export, plan
+    with pytest.raises(EyasError, match="--device 'gpu0' is not one of"):
+        EvalConfig(device="gpu0")
+    with pytest.raises(EyasError, match="--dtype 'int8' is not one of"):
+        EvalConfig(dtype="int8")
+
+
 def test_a_dtype_from_a_toml_table_is_normalised_or_refused():
     from eyas.speculate.evaluate import EvalConfig
-    from eyas.train.trainer import TrainConfig
+    from eyas.train.settings import TrainConfig
 
-    assert from_mapping(EvalConfig, {"dtype": "fp32"}).dtype == "float32"
+    assert from_mapping(EvalConfig, {"dtype": "float32"}).dtype == "fp32"
     assert from_mapping(TrainConfig, {"dtype": "bfloat16"}).dtype == "bf16"
     with pytest.raises(EyasError, match="dtype 'int4' in arguments is not one eyas knows"):
         from_mapping(TrainConfig, {"dtype": "int4"})

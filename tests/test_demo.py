@@ -14,7 +14,7 @@ from eyas.core.errors import EyasError
 from eyas.core.log import Console
 from eyas.core.paths import shared_data_dir
 from eyas.pipeline.demo import RunConfig, stages_from_toml
-from eyas.pipeline.runner import Stage, run_stage
+from eyas.pipeline.stages import Stage, run_stage
 from tests.test_report import SECTIONS, Page, check_numbers
 
 
@@ -118,7 +118,7 @@ def test_example_configs_build(config, tmp_path):
     import tomllib
 
     from eyas.core.config import from_mapping
-    from eyas.pipeline.commands import load_stage
+    from eyas.pipeline.registry import load_stage
 
     stages = stages_from_toml(tomllib.loads(config.read_text()), tmp_path / "run", config.name)
     cfgs = {s.name: from_mapping(load_stage(s.command)[0], s.settings, s.name) for s in stages}
@@ -179,7 +179,7 @@ def test_a_stage_reruns_when_a_stage_it_reads_ran_again(tmp_path, monkeypatch):
     say which output is newer."""
     import dataclasses
 
-    from eyas.pipeline.runner import reads, run_pipeline
+    from eyas.pipeline.stages import reads, run_pipeline
 
     ran = []
 
@@ -193,8 +193,8 @@ def test_a_stage_reruns_when_a_stage_it_reads_ran_again(tmp_path, monkeypatch):
         ran.append(cfg.out)
         return {}
 
-    monkeypatch.setattr("eyas.pipeline.runner.load_stage", lambda command: (Fake, run))
-    monkeypatch.setattr("eyas.pipeline.runner.to_argv", lambda cfg: [])
+    monkeypatch.setattr("eyas.pipeline.stages.load_stage", lambda command: (Fake, run))
+    monkeypatch.setattr("eyas.pipeline.stages.to_argv", lambda cfg: [])
     r = tmp_path / "run"
 
     def stages(lr):
@@ -222,7 +222,7 @@ def test_a_failed_torchrun_stage_names_the_rank_that_died_first(tmp_path, monkey
     error reads the log as `eyas doctor` does and names the rank that died first and its error."""
     import types
 
-    from eyas.pipeline import runner
+    from eyas.pipeline import stages as runner
     from tests.seedlogs import SeedRun
     from tests.seedlogs import lines as seed_lines
 

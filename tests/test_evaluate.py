@@ -10,7 +10,7 @@ from eyas.core.errors import EyasError
 from eyas.core.paths import shared_data_dir
 from eyas.draft.checkpoint import save_draft
 from eyas.speculate.evaluate import EvalConfig, load_bench, short_names
-from eyas.speculate.report import method_figures
+from eyas.speculate.results import method_figures
 from tests.speculate_helpers import trained_draft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -177,7 +177,7 @@ def test_lossless_verdict_rescores_divergences_as_the_targets_top1():
     """An output that differs from plain greedy is still lossless when every token is the target's fp32 top-1 (a
     tie within FP32_TIE counts); a token that is not the top-1 is a loud NO, whatever plain greedy said."""
     from eyas.speculate.lossless import rescore
-    from eyas.speculate.report import _lossless, lossless_word
+    from eyas.speculate.results import _lossless, lossless_word
 
     class Tok:
         def decode(self, ids):

@@ -355,7 +355,7 @@ def test_a_disabled_sliding_window_imports(tiny_target, tmp_path, edit):
 def test_model_card_carries_the_runs_data_and_evaluation(tiny_target, tmp_path):
     """A run's exported card shows the data the draft was trained on and the figures evaluate measured for it
     (it said 'Data: not recorded' and 'tau: not measured' although the run had both)."""
-    from eyas.train.trainer import TrainConfig
+    from eyas.train.settings import TrainConfig
     from eyas.train.trainer import run as train
     from tests.train_fakes import write_store
 

@@ -13,9 +13,10 @@ import torch
 from datasets import Dataset, Features, Sequence, Value
 
 from eyas.core.errors import EyasError
-from eyas.store.extract import ExtractConfig, plan_batches, plan_shards, run, shard_indices
+from eyas.store.extract import ExtractConfig, run
 from eyas.store.layout import COMPACT_ABS_DIV, COMPACT_REL, bytes_per_token
 from eyas.store.reader import StoreReader
+from eyas.store.shard_plan import plan_batches, plan_shards, shard_indices
 
 LAYERS = [2, 4, 5]  # the tiny target's default features [2, L//2, L-3]
 

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from eyas.core.engine import check_vllm
 from eyas.core.errors import EyasError
 from eyas.core.target import load_target
-from eyas.store.engine import engine_command, vllm_layer_ids
-from eyas.store.extract import ENGINE_DIR, ExtractConfig, run
+from eyas.core.vllm_server import check_vllm
+from eyas.store.extract import ExtractConfig, run
 from eyas.store.reader import StoreReader
+from eyas.store.vllm_states import ENGINE_DIR, engine_command, vllm_layer_ids
 from tests.ports import free_port
 from tests.test_extract import manifest, write_prepared
 
@@ -103,8 +103,8 @@ def test_an_engine_that_dies_before_writing_an_answered_samples_file_is_named_as
     stays the file's error."""
     import subprocess
 
-    from eyas.core.engine import Server
-    from eyas.store.engine import VllmEngine
+    from eyas.core.vllm_server import Server
+    from eyas.store.vllm_states import VllmEngine
 
     log = tmp_path / "engine.log"
     log.write_text("fake vllm: dying as asked\n")
@@ -207,7 +207,7 @@ def test_a_killed_runs_engine_leftovers_are_stopped_and_nothing_else(tmp_path):
     import subprocess
     import time
 
-    from eyas.core.engine import GROUP_FILE, stop_leftovers
+    from eyas.core.vllm_server import GROUP_FILE, stop_leftovers
 
     sleep = f"{sys.executable} -c 'import time; time.sleep(600)'"
     leader = subprocess.Popen(["sh", "-c", f"{sleep} unrelated & exec {sleep} VLLM::EngineCore"],

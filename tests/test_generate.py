@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from eyas.core.generate import BatchGenerator
+from eyas.models.generation import BatchGenerator
 
 
 def greedy_by_hand(model, prompt: list[int], max_new: int, stops: set[int]) -> list[int]:
@@ -65,7 +65,7 @@ def drain(engine, prompts) -> list[list[int]]:
 def test_slots_greedy_equals_each_prompt_alone(tiny_target, prompts, slots):
     """Continuous batching: whatever the slot count and the order rows are refilled in, each row is the greedy
     decoding of its prompt alone; the rows stop at their own stop token or at max_new."""
-    from eyas.core.generate import SlotGenerator
+    from eyas.models.generation import SlotGenerator
 
     free = [greedy_by_hand(tiny_target.model, p, 12, set()) for p in prompts]
     stop = free[1][3]
@@ -76,7 +76,7 @@ def test_slots_greedy_equals_each_prompt_alone(tiny_target, prompts, slots):
 
 
 def test_slots_grow_the_cache_for_a_long_prompt(tiny_target, prompts):
-    from eyas.core.generate import SlotGenerator
+    from eyas.models.generation import SlotGenerator
 
     g = torch.Generator().manual_seed(5)
     long = torch.randint(10, 40000, (300,), generator=g).tolist()  # past the first 256 columns
@@ -89,7 +89,7 @@ def test_slots_grow_the_cache_for_a_long_prompt(tiny_target, prompts):
 def test_slots_reuse_a_conversations_previous_turn(tiny_target, prompts):
     """A key's next turn takes the slot that still holds its previous one: only the tokens after the common
     prefix are computed, and the reply is still the greedy decoding of the whole prompt alone."""
-    from eyas.core.generate import SlotGenerator
+    from eyas.models.generation import SlotGenerator
 
     engine = SlotGenerator(tiny_target, 2, 8, set())
     a, b = object(), object()
@@ -114,7 +114,7 @@ def drain_keys(engine, items) -> dict:
 def test_slots_copy_a_prefix_another_slot_holds(tiny_target, prompts):
     """Prompts that start alike (a system prompt) take the shared columns from whichever slot holds them, busy or
     free; each reply is still the greedy decoding of its prompt alone."""
-    from eyas.core.generate import SlotGenerator
+    from eyas.models.generation import SlotGenerator
 
     system = prompts[3][:20]
     items = [system + p for p in (prompts[0], prompts[1], prompts[4])]
@@ -131,7 +131,7 @@ def test_slots_copy_a_prefix_another_slot_holds(tiny_target, prompts):
 
 
 def test_width_chunks_cover_the_busy_rows_and_split_off_a_long_one():
-    from eyas.core.generate import GROUP, width_chunks
+    from eyas.models.generation import GROUP, width_chunks
 
     def cost(runs):
         return sum((hi - lo) * w + GROUP for lo, hi, w in runs)

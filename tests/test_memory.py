@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from eyas.core import memory
-from eyas.core.generate import fuse_projections
 from eyas.core.target import load_target
+from eyas.models.llama import fuse_projections
 
 pytestmark = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this platform")
 

@@ -155,7 +155,7 @@ def test_agrees_with_the_sampler(n, w, b, g, drop):
 
 def test_plan_assumes_the_trainers_defaults():
     """`eyas plan` with no batch flags plans the run `eyas train` with no batch flags makes."""
-    from eyas.train.trainer import TrainConfig
+    from eyas.train.settings import TrainConfig
 
     for name in ("micro_batch", "grad_accum", "epochs", "drop_remainder"):
         assert getattr(PlanConfig(samples=10), name) == getattr(TrainConfig(), name), name

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from eyas.core.engine import GROUP_FILE, cpu_env
 from eyas.core.errors import EyasError
 from eyas.core.target import load_target
+from eyas.core.vllm_server import GROUP_FILE, cpu_env
 from eyas.data.chat import ChatRenderer
-from eyas.data.engine import engine_paths
 from eyas.data.regenerate import RegenerateConfig, run
+from eyas.data.vllm_backend import engine_paths
 from tests.ports import free_port
 from tests.test_extract_engine import engine_python, folder  # noqa: F401 (folder: a fixture)
 from tests.test_regenerate import REPO, make_data, read_out
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def config(data, out, target, **kw) -> RegenerateConfig:
     return RegenerateConfig(**{"data": (str(data),), "out": str(out), "target": str(target), "max_new_tokens": 5,
-                               "quiet": True, **kw})
+                               "quiet": True, "dtype": "fp32", **kw})  # fp32: the local and engine replies agree
 
 
 def engine(tmp_path, name="env", **kw) -> dict:
@@ -117,7 +117,7 @@ def test_an_interrupted_run_stops_its_engine_and_a_rerun_finishes(folder, tmp_pa
     opts = engine(tmp_path)
     cmd = [sys.executable, "-m", "eyas", "regenerate", "--data", str(data), "--out", str(out), "--target",
            str(folder), "--max-new-tokens", "12", "--engine", "vllm", "--engine-python", opts["engine_python"],
-           "--engine-port", str(opts["engine_port"]), "--concurrency", "1", "--quiet"]
+           "--engine-port", str(opts["engine_port"]), "--concurrency", "1", "--dtype", "fp32", "--quiet"]
     # 0.1 s a reply: 24 take 2.4 s or more, so the run is still going when the signal comes. SIGINT's default
     # restored in the child: a test run started in the background of a non-interactive shell ignores SIGINT, the
     # child would inherit that, and Python keeps an ignored SIGINT ignored (the run then finished all 24)
@@ -143,7 +143,7 @@ def test_an_interrupted_run_stops_its_engine_and_a_rerun_finishes(folder, tmp_pa
 
 
 def test_the_start_up_line_shows_what_vllm_is_doing_without_its_prefix(tmp_path):
-    from eyas.core.engine import last_line
+    from eyas.core.vllm_server import last_line
 
     log = tmp_path / "engine.log"
     log.write_text("(APIServer pid=2846) INFO 12-02 12:23:38 [api_utils.py:347] version 0.32.0\n"
@@ -161,7 +161,7 @@ def test_the_start_up_line_shows_what_vllm_is_doing_without_its_prefix(tmp_path)
 def test_a_request_to_the_engine_may_take_its_share_of_a_slow_engine():
     """128 conversations in flight on an engine making 68 tokens/s in all (vLLM, float32, an AVX2-only CPU) wait
     ~600 s for 320 tokens each: past the 300 s --timeout, so the recipe's WritingBench stage failed 67 of them."""
-    from eyas.data.engine import ENGINE_FLOOR_TPS, engine_timeout
+    from eyas.data.vllm_backend import ENGINE_FLOOR_TPS, engine_timeout
 
     assert 320 * 128 / 68 > 300 and engine_timeout(300, 320, 128) == 320 * 128 / ENGINE_FLOOR_TPS > 320 * 128 / 68
     assert engine_timeout(300, 5, 3) == 300  # a short reply keeps --timeout
@@ -173,10 +173,10 @@ def test_a_runs_consecutive_engine_stages_share_one_engine(folder, tmp_path, mon
     start-up for the second), each stage's replies equal its own run's, and the engine is stopped before a stage
     of another kind runs; a third stage with another engine setting starts its own."""
     from eyas.core.log import Console
-    from eyas.pipeline.runner import Stage, run_pipeline
+    from eyas.pipeline.stages import Stage, run_pipeline
 
     data, r = make_data(tmp_path, 4), tmp_path / "run"
-    opts = {**engine(tmp_path), "data": [str(data)], "target": str(folder), "quiet": True}
+    opts = {**engine(tmp_path), "data": [str(data)], "target": str(folder), "quiet": True, "dtype": "fp32"}
     group = {}
 
     def prepare_stage(cfg):  # a stage of another kind: the shared engine must be stopped by now
@@ -193,7 +193,7 @@ def test_a_runs_consecutive_engine_stages_share_one_engine(folder, tmp_path, mon
     class Other:
         out: str = ""
 
-    monkeypatch.setattr("eyas.pipeline.runner.load_stage",
+    monkeypatch.setattr("eyas.pipeline.stages.load_stage",
                         lambda c: (RegenerateConfig, run) if c == "regenerate" else (Other, prepare_stage))
     out = run_pipeline(stages, r, Console(quiet=True))
     assert [out[s]["done"] for s in ("regenerate-a", "regenerate-b", "regenerate-c")] == [4, 4, 4]

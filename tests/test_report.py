@@ -1,10 +1,10 @@
 """eyas report: every section present, every number on the page equal to the run file it names, "not run" sections
 for missing files, highlighted sample generations, tolerance of damaged files, the CLI.
 
-The run folder is hand-written here (`make_run`) in the formats of the stages: eyas.pipeline.runner (stages/*.json,
+The run folder is hand-written here (`make_run`) in the formats of the stages: eyas.pipeline.stages (stages/*.json,
 pipeline.json), eyas.data.prepare._summary (prepared/summary.json), eyas.store.writer.write_manifest
 (store/manifest.json), eyas.train.trainer and eyas.train.setup (train/metrics.jsonl, validation.jsonl, plan.json,
-audit.json, final/config.json), eyas.speculate.report.aggregate (evaluate/results.json) and eyas.draft.export.run (the
+audit.json, final/config.json), eyas.speculate.results.aggregate (evaluate/results.json) and eyas.draft.export.run (the
 export stage summaries).
 """
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from eyas.core.errors import EyasError
+from eyas.speculate.controller import Controller, chain_yield, union_yield
 from eyas.speculate.decode import (
     Proposal,
     acceptance_stats,
@@ -20,18 +21,15 @@ from eyas.speculate.decode import (
     verify_sampling,
 )
 from eyas.speculate.drafters import (
-    Controller,
     Eagle3Drafter,
     HybridDrafter,
     OracleDrafter,
     PromptLookupDrafter,
     TreeShape,
-    chain_yield,
     join_chains,
-    quantize_int8,
-    union_yield,
 )
-from eyas.speculate.runner import HFRunner, LeanRunner, attention_mask, effective_latency, verify_widths
+from eyas.speculate.quantize import quantize_int8
+from eyas.speculate.target_forward import HFRunner, LeanRunner, attention_mask, effective_latency, verify_widths
 from tests.speculate_helpers import random_prompts, trained_draft, untrained_draft
 
 NEW = 32
@@ -224,8 +222,9 @@ def test_greedy_speculation_with_widened_verification_equals_greedy_decoding(tin
 
 
 def test_bf16_speculation_reproduces_bf16_greedy_decoding_bit_for_bit():
-    """In bf16 a forward over q tokens must compute each row as a one-token step does (eyas.speculate.runner._attend),
-    or near-tied logits flip and speculation drifts from plain decoding. Checked on the logits themselves."""
+    """In bf16 a forward over q tokens must compute each row as a one-token step does
+    (eyas.speculate.target_forward._attend), or near-tied logits flip and speculation drifts from plain decoding.
+    Checked on the logits themselves."""
     import copy
 
     from eyas.core.target import load_target
@@ -597,7 +596,7 @@ def test_decode_time_chain_equals_training_time_predictions(tiny_target, runner_
     training-time top-1 of that TTT step at the prompt's last position, when the sequence continues with the
     chain (as an accepted chain does). Training accuracy and acceptance measure the same predictions."""
     from eyas.draft.ttt import ttt_forward
-    from eyas.store.extract import Capture, forward_batch
+    from eyas.models.capture import Capture, forward_batch
 
     k = 5
     draft = trained_draft(tiny_target)
@@ -682,7 +681,7 @@ def test_few_rows_linear_is_the_same_product_as_f_linear(rows):
     F.linear itself."""
     import torch.nn.functional as F
 
-    from eyas.core.generate import FEW_ROWS, few_rows_linear
+    from eyas.models.llama import FEW_ROWS, few_rows_linear
 
     g = torch.Generator().manual_seed(rows)
     w, b = torch.randn(96, 40, generator=g), torch.randn(96, generator=g)
@@ -702,7 +701,7 @@ def test_few_rows_linear_is_the_same_product_as_f_linear(rows):
 
 
 def test_the_runner_chooses_its_projections_by_measuring_only_float32_on_a_cpu(tiny_target, monkeypatch):
-    from eyas.speculate import runner as runner_mod
+    from eyas.speculate import target_forward as runner_mod
 
     runner = LeanRunner(tiny_target, tiny_target.default_feature_layers(), linear="few-rows")
     assert runner.linear_kind == "few-rows" and runner.linear_choice == "few-rows (as asked)"
@@ -726,7 +725,7 @@ def test_the_runner_chooses_its_projections_by_measuring_only_float32_on_a_cpu(t
 def test_a_few_rows_draft_proposes_what_the_draft_proposes(tiny_target, refs):
     """evaluate runs the drafts' linears as few_rows_linear where the runner chose it: the same weights, the same
     proposals here (the tiny draft has no near-ties), and the target's greedy output either way."""
-    from eyas.speculate.drafters import FewRowsLinear, few_rows_draft
+    from eyas.speculate.quantize import FewRowsLinear, few_rows_draft
 
     draft = trained_draft(tiny_target)
     fast = few_rows_draft(draft)

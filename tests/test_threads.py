@@ -109,7 +109,7 @@ def test_real_hogs_are_seen(tmp_path):
 def test_an_engine_gets_the_free_cores(monkeypatch, others, bind, omp):
     """vLLM binds a thread to each core it is given and keeps it: on a loaded machine it gets as many threads as
     cores are free, unbound; on a quiet one its own binding. torch's own count is left alone."""
-    from eyas.core.engine import cpu_env
+    from eyas.core.vllm_server import cpu_env
 
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     fake = FakeStat(monkeypatch)
@@ -122,7 +122,7 @@ def test_an_engine_gets_the_free_cores(monkeypatch, others, bind, omp):
 
 
 def test_an_engine_keeps_the_users_binding_and_count(monkeypatch):
-    from eyas.core.engine import cpu_env
+    from eyas.core.vllm_server import cpu_env
 
     fake = FakeStat(monkeypatch)
     fake.others = 2.0
@@ -142,7 +142,7 @@ def test_an_engine_keeps_the_users_binding_and_count(monkeypatch):
 def test_an_engine_on_a_cpu_reuses_its_compile_cache_unless_the_user_chose(monkeypatch):
     """vLLM 0.32.0's CPU build cannot load its own ahead-of-time artifact and compiles again at every start: eyas
     turns that path off (torch.compile's ordinary cache is reused) unless VLLM_USE_AOT_COMPILE is the user's."""
-    from eyas.core.engine import cpu_env
+    from eyas.core.vllm_server import cpu_env
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
@@ -156,7 +156,7 @@ def test_an_engine_on_a_cpu_gets_the_allocator_and_openmp_vllm_asks_for(monkeypa
     the loader's name, libiomp5 from the engine's own environment), and nothing when LD_PRELOAD is the user's."""
     import ctypes.util
 
-    from eyas.core import engine
+    from eyas.core import vllm_server as engine
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.delenv("LD_PRELOAD", raising=False)

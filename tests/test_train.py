@@ -15,8 +15,9 @@ import torch
 from eyas.core.errors import EyasError
 from eyas.draft.checkpoint import read_draft
 from eyas.store.reader import StoreReader
-from eyas.train.data import nested_share
-from eyas.train.trainer import TrainConfig, run
+from eyas.train.batches import nested_share
+from eyas.train.settings import TrainConfig
+from eyas.train.trainer import run
 from tests.ports import free_port
 from tests.train_fakes import write_store
 
@@ -354,7 +355,7 @@ def test_lr_schedule_from_the_real_step_count(reference):
     """Warmup then cosine to min_lr_ratio, over the run's real optimizer steps (by hand), as logged."""
     import math
 
-    from eyas.train.engine import lr_at
+    from eyas.train.optimizer import lr_at
 
     assert [lr_at(s, 10, 2, 1.0, 0.1) for s in (0, 1)] == [0.5, 1.0]
     assert lr_at(2, 10, 2, 1.0, 0.1) == 1.0 and abs(lr_at(10, 10, 2, 1.0, 0.1) - 0.1) < 1e-12

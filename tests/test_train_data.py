@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from eyas.store.reader import StoreReader
-from eyas.train.data import Subset, collate, load_micro_batch, read_batch
+from eyas.train.batches import Subset, collate, load_micro_batch, read_batch
 from tests.test_store import build_store, samples
 
 MICRO = ((4, 0, 7), (2,), (8, 5), (1, 3, 6))  # packed rows of different lengths: padding in every row but one

@@ -16,8 +16,8 @@ from eyas.draft.cross_entropy import TargetRows, soft_cross_entropy
 from eyas.draft.model import DraftConfig, Eagle3Draft
 from eyas.draft.ttt import step_weights, ttt_forward
 from eyas.draft.vocab import build_draft_vocab
-from eyas.train.data import needed_rows, sparse_target_logp, valid_masks
-from eyas.train.engine import TTTObjective
+from eyas.train.batches import needed_rows, sparse_target_logp, valid_masks
+from eyas.train.objective import TTTObjective
 from tests import ttt_reference as ref
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -8,19 +8,19 @@ import os
 import sys
 from pathlib import Path
 
-import eyas.train.data
+import eyas.train.batches
 from eyas import cli
 
 out = os.environ.get("EYAS_TEST_IDS_DIR")
 if out:
     seen: list[str] = []
-    original = eyas.train.data.load_micro_batch
+    original = eyas.train.batches.load_micro_batch
 
     def recording(source, micro, *args, **kw):
         seen.extend(source[i].id for unit in micro for i in unit)
         return original(source, micro, *args, **kw)
 
-    eyas.train.data.load_micro_batch = recording
+    eyas.train.batches.load_micro_batch = recording
 
     @atexit.register
     def _dump():

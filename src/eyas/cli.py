@@ -1,6 +1,6 @@
 """The `eyas` command: one subcommand per pipeline stage, each generated from its stage's config dataclass.
 
-The commands and their stage modules are listed in `eyas.pipeline.commands`; only the chosen stage's module is
+The commands and their stage modules are listed in `eyas.pipeline.registry`; only the chosen stage's module is
 imported, so `eyas --help` stays instant.
 """
 
@@ -16,19 +16,45 @@ import sys
 from eyas import __version__
 from eyas.core.config import add_arguments, from_namespace
 from eyas.core.errors import EyasError, Incomplete, unwritable
-from eyas.pipeline.commands import COMMANDS, load_stage
+
+SUMMARIES: dict[str, str] = {  # command -> its one line in `eyas --help` (and its --help's description)
+    "prepare": "chat data -> tokens + assistant-only loss mask",
+    "prompts": "user prompts written by the target itself (Magpie), for regenerate to answer",
+    "regenerate": "replace assistant turns with the target's own answers",
+    "extract": "target hidden states -> checksummed, rank-sharded store",
+    "store info": "print a store's figures",
+    "store verify": "recompute every checksum of a store",
+    "store import": "import hidden states from vLLM/speculators or SpecForge",
+    "train": "train the EAGLE-3 draft (one process or torchrun)",
+    "evaluate": "speculative decoding: acceptance length, speedup, lossless check",
+    "export": "write a draft that vLLM, SGLang or speculators load",
+    "import": "read an eagle3/speculators draft into an eyas checkpoint",
+    "plan": "the arithmetic of a run before it starts: steps, ETA, disk",
+    "doctor": "diagnose a training log (eyas, speculators, SpecForge, torchrun)",
+    "demo": "the whole pipeline on the built-in default target (docs/demo.md: what it costs)",
+    "run": "run the pipeline stages from a TOML config file",
+    "report": "write a run's self-contained HTML report",
+}
+
+
+def command_code(command: str) -> tuple[type, object]:
+    """(settings dataclass, run function) of a command."""
+    # imported here, not at the top: every stage module imports torch (2.4 s), which `eyas --help` never needs
+    from eyas.pipeline import demo, registry
+    pipelines = {"demo": (demo.DemoConfig, demo.run), "run": (demo.RunConfig, demo.run_config)}
+    return pipelines[command] if command in pipelines else tuple(registry.load_stage(command))
 
 
 def _top_help() -> str:
     lines = ["usage: eyas COMMAND [options]   (eyas COMMAND --help for its options)", "", "commands:"]
-    lines += [f"  {name:<14} {desc}" for name, (_, _, _, desc) in COMMANDS.items()]
+    lines += [f"  {name:<14} {desc}" for name, desc in SUMMARIES.items()]
     return "\n".join(lines)
 
 
 def _split_command(argv: list[str]) -> tuple[str, list[str]]:
-    if len(argv) >= 2 and f"{argv[0]} {argv[1]}" in COMMANDS:
+    if len(argv) >= 2 and f"{argv[0]} {argv[1]}" in SUMMARIES:
         return f"{argv[0]} {argv[1]}", argv[2:]
-    if argv and argv[0] in COMMANDS:
+    if argv and argv[0] in SUMMARIES:
         return argv[0], argv[1:]
     if argv and argv[0] == "store":
         raise EyasError("eyas store needs a subcommand", fix="use eyas store info|verify|import DIR")
@@ -46,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = command = None
     try:
         command, rest = _split_command(argv)
-        cls, run = load_stage(command)
-        parser = argparse.ArgumentParser(prog=f"eyas {command}", description=COMMANDS[command][3])
+        cls, run = command_code(command)
+        parser = argparse.ArgumentParser(prog=f"eyas {command}", description=SUMMARIES[command])
         add_arguments(parser, cls)
         cfg = from_namespace(cls, parser.parse_args(rest))
         summary = run(cfg)

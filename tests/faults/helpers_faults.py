@@ -88,8 +88,8 @@ def env_one_thread(**extra: str) -> dict:
 PRELOAD = ["torch", "numpy", "datasets", "safetensors.torch", "transformers",
            "transformers.models.llama.modeling_llama", "transformers.models.auto.tokenization_auto",
            "transformers.generation.utils", "eyas.cli", "eyas.store.extract", "eyas.data.regenerate",
-           "eyas.train.trainer", "eyas.train.setup", "eyas.train.data", "eyas.train.engine", "eyas.draft.model",
-           "eyas.core.target", "eyas.data.formats", "eyas.data.chat"]
+           "eyas.train.trainer", "eyas.train.setup", "eyas.train.batches", "eyas.train.objective",
+           "eyas.train.parallelize", "eyas.draft.model", "eyas.core.target", "eyas.data.formats", "eyas.data.chat"]
 
 
 class Forked:

@@ -135,9 +135,9 @@ def run_trials(path: Path, load, reference, names, full: bool, tally) -> dict:
 # ---------------------------------------------------------------- store shards
 
 def read_store(path: Path, via: str = "views") -> list:
-    """Every sample, through the reader the trainer opens (eyas.train.data.open_store): as the memory-mapped
+    """Every sample, through the reader the trainer opens (eyas.train.batches.open_store): as the memory-mapped
     views `reader[i]` returns, or read into a micro-batch of its own as the trainer reads (read_batch)."""
-    from eyas.train.data import open_store, read_batch
+    from eyas.train.batches import open_store, read_batch
 
     reader = open_store(str(path))
     if via == "views":
@@ -238,7 +238,7 @@ def paired(tmp_path_factory):
 
 
 def train_cfg(store: Path, data: Path, out: Path):
-    from eyas.train.trainer import TrainConfig
+    from eyas.train.settings import TrainConfig
 
     return TrainConfig(store=str(store), data=str(data), out=str(out), target="tiny", threads=1, draft_vocab=64,
                        ttt_steps=1, micro_batch=2, max_steps=1, quiet=True)
@@ -273,8 +273,8 @@ def test_a_store_with_its_own_dataset_passes_the_check(paired, tmp_path):
 def checkpoint(tmp_path_factory):
     """A training checkpoint (eyas.draft.checkpoint) of a small draft after two optimizer steps."""
     from eyas.draft.checkpoint import rng_state, save_checkpoint
-    from eyas.train.engine import full_optimizer_state
-    from eyas.train.trainer import TrainConfig
+    from eyas.train.parallelize import full_optimizer_state
+    from eyas.train.settings import TrainConfig
 
     draft = small_draft()
     opt = torch.optim.AdamW(draft.trainable_parameters(), lr=1e-2)

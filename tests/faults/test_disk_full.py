@@ -130,7 +130,8 @@ CKPT_TRAIN = {**TRAIN, "epochs": 1}
 
 @pytest.fixture(scope="module")
 def train_ref(tiny_target, tmp_path_factory):
-    from eyas.train.trainer import TrainConfig, run
+    from eyas.train.settings import TrainConfig
+    from eyas.train.trainer import run
 
     root = tmp_path_factory.mktemp("train")
     store = write_store(tiny_target, root / "store", n=24)
@@ -139,7 +140,8 @@ def train_ref(tiny_target, tmp_path_factory):
 
 
 def test_checkpoint_disk_full(train_ref, tmp_path, when, tally):
-    from eyas.train.trainer import TrainConfig, run
+    from eyas.train.settings import TrainConfig
+    from eyas.train.trainer import run
 
     store, whole = train_ref
     out, log = tmp_path / "run", tmp_path / "train.log"

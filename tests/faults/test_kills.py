@@ -123,7 +123,8 @@ def newest_checkpoint(run_dir: Path) -> int:
 
 
 def test_train_survives_kills(tiny_target, tmp_path, faults_full, tally):
-    from eyas.train.trainer import TrainConfig, run
+    from eyas.train.settings import TrainConfig
+    from eyas.train.trainer import run
 
     n = 48 if faults_full else 16  # 2 epochs of n steps: n checkpoints
     store = write_store(tiny_target, tmp_path / "store", n=n)

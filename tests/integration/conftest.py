@@ -54,8 +54,8 @@ def find_vllm_python() -> tuple[str | None, str]:
     tried = []
     env = os.environ.get("EYAS_VLLM_PYTHON")
     candidates = [("$EYAS_VLLM_PYTHON", env)] if env else []
-    from eyas.core.engine import VENV
     from eyas.core.paths import cache_dir
+    from eyas.core.vllm_server import VENV
 
     candidates += [("scripts/setup-vllm.sh's venv", str(cache_dir() / VENV / "bin" / "python")),
                    ("the default venv", DEFAULT_VENV_PYTHON), ("this Python", sys.executable)]

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,9 +27,12 @@ from eyas.core.errors import EyasError
 from eyas.core.files import read_toml
 
 
-def opt(default: Any, help: str, *, positional: bool = False, choices: tuple | None = None) -> Any:
-    """A dataclass field with its CLI help. `positional=True` makes it a positional argument."""
-    meta = {"help": help, "positional": positional, "choices": choices}
+def opt(default: Any, help: str, *, positional: bool = False, choices: tuple | None = None,
+        check: Callable[[Any], str | None] | None = None) -> Any:
+    """A dataclass field with its CLI help. `positional=True` makes it a positional argument; `check(value)` says
+    why a value is refused (None when it is fine), run by `StageConfig.__post_init__` (the shared options of
+    `eyas.core.options` carry theirs)."""
+    meta = {"help": help, "positional": positional, "choices": choices, "check": check}
     if isinstance(default, (list, dict, set)):
         raise TypeError("use a tuple default, dataclasses are frozen")
     return dataclasses.field(default=default, metadata=meta)
@@ -40,6 +44,16 @@ class StageConfig:
 
     quiet: bool = opt(False, "print only errors and the final one-line summary")
     json: bool = opt(False, "print the stage's summary as one JSON object on stdout (implies --quiet)")
+
+    def __post_init__(self):
+        """Each field's own check (the shared options'), then the stage's `validate`."""
+        for f in dataclasses.fields(self):
+            if (field_check := f.metadata.get("check")) and (why := field_check(getattr(self, f.name))):
+                raise EyasError(why, fix=f"see eyas COMMAND --help for {_flag(f.name)}")
+        self.validate()
+
+    def validate(self) -> None:
+        """A stage's checks of its settings together (raise EyasError naming the value and the fix)."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -151,6 +165,17 @@ def from_mapping(cls: type, values: dict, source: str = "arguments") -> Any:
 
 def from_namespace(cls: type, ns: argparse.Namespace) -> Any:
     return from_mapping(cls, {k: v for k, v in vars(ns).items() if not k.startswith("_")})
+
+
+def parse(cls: type, argv: list[str] | None = None, description: str | None = None) -> Any:
+    """`cls` from a command line (sys.argv[1:] when argv is None): the stages' dataclass-to-CLI for a script outside
+    the `eyas` command (bench/, examples/). A value `cls` refuses exits as argparse's own errors do: usage, reason."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser, cls)
+    try:
+        return from_namespace(cls, parser.parse_args(argv))
+    except EyasError as e:
+        parser.error(str(e))
 
 
 def load_toml(path: str | Path) -> dict:

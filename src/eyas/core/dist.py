@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -169,3 +170,35 @@ def _collective_device(env: DistEnv) -> str:
 def barrier(env: DistEnv) -> None:
     if env.distributed:
         dist.barrier()
+
+
+def on_every_rank(env, fn: Callable[[], dict]) -> dict:
+    """Run fn on every rank, then tell every rank whether all succeeded (the barrier before the merge), so a
+    failing rank makes the others stop with its message instead of waiting for it until the timeout."""
+    err, result, exc = None, None, None
+    try:
+        result = fn()
+    except EyasError as e:
+        err = (f"rank {env.rank}: {e.what}", e.why, e.fix)
+    except Exception as e:  # noqa: BLE001 - re-raised below on this rank, with its traceback
+        exc, err = e, (f"rank {env.rank} failed: {type(e).__name__}: {e}", "", "see that rank's traceback")
+    errors = [e for e in all_gather_objects(err, env) if e]
+    if exc is not None:
+        raise exc
+    if errors:
+        raise EyasError(*errors[0])
+    return result
+
+
+def agree(env, fn: Callable[[], dict]) -> dict:
+    """Run fn on rank 0 and hand its result (or its EyasError) to every rank, so no rank waits on a dead one."""
+    result = None
+    if env.is_main:
+        try:
+            result = {"ok": fn()}
+        except EyasError as e:
+            result = {"error": (e.what, e.why, e.fix)}
+    result = all_gather_objects(result, env)[0]
+    if "error" in result:
+        raise EyasError(*result["error"])
+    return result["ok"]

@@ -372,7 +372,7 @@ def load_target(spec: str = DEFAULT_TARGET, *, dtype: str | torch.dtype = "float
                                                          trust_remote_code=trust_remote_code, **place)
             tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     model = model.to(device=device, dtype=_dtype(dtype)).eval().requires_grad_(False)
-    pack_module(model)  # on CPUs: weights in 2 MiB pages, several times faster to stream (eyas.core.memory)
+    pack_module(model)  # on CPUs: weights in 2 MiB pages, faster to stream (eyas.core.memory)
     return Target(name=name, model=model, tokenizer=tokenizer, source=str(folder), hub=hub_id(spec))
 
 

@@ -108,7 +108,7 @@ class Threads:
 
     def choose(self) -> tuple[int, str]:
         """Choose the count (measuring the free cores unless it is fixed): (threads, why). torch is not touched: for
-        a process of another kind that takes the count (a vLLM engine, eyas.core.engine.cpu_env)."""
+        a process of another kind that takes the count (a vLLM engine, eyas.core.vllm_server.cpu_env)."""
         if not self.fixed:
             self.sampler = Sampler(self.cores)
             time.sleep(SAMPLE_S)

@@ -10,13 +10,14 @@ import torch
 
 from eyas.core.dist import pick_device
 from eyas.core.errors import EyasError
-from eyas.core.generate import BatchGenerator, SlotGenerator, supports
 from eyas.core.memory import tune_allocator
 from eyas.core.target import load_target
 from eyas.core.threads import Threads
 from eyas.data.chat import ChatRenderer
 from eyas.data.formats import Conversation
 from eyas.data.replies import Dialogue, Failed, Reply, Sink, prompt_limit, too_long
+from eyas.models.generation import BatchGenerator, SlotGenerator
+from eyas.models.llama import supports
 
 
 class LocalSettings(Protocol):

@@ -27,7 +27,8 @@ from eyas.core.config import StageConfig, check, opt
 from eyas.core.errors import EyasError
 from eyas.core.files import check_replaceable, publish_output, staged_output, write_json
 from eyas.core.log import console, fmt_duration, fmt_int
-from eyas.core.target import DEFAULT_TARGET, load_tokenizer
+from eyas.core.options import overwrite_opt, target_opt, trust_remote_code_opt
+from eyas.core.target import load_tokenizer
 from eyas.core.weights import load_target_shell
 from eyas.data.chat import ChatRenderer
 from eyas.data.formats import (
@@ -44,7 +45,7 @@ PROMPT_ONLY = "prompt-only"  # kept with an all-zero mask: regenerate them first
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PrepareConfig(StageConfig):
-    target: str = opt(DEFAULT_TARGET, "target whose tokenizer and chat template are used (name, HF folder or .gguf)")
+    target: str = target_opt(role="its tokenizer and chat template are used")
     data: tuple[str, ...] = opt((), "input files, folders or shorthands: mt-bench, gsm8k-train, gsm8k-test, "
                                     "chitchat, writingbench")
     out: str = opt("runs/demo/prepared", "output folder: train/, validation/ and summary.json")
@@ -54,10 +55,10 @@ class PrepareConfig(StageConfig):
     seed: int = opt(0, "seed of the split hash")
     dedup: bool = opt(True, "drop conversations whose content (whitespace-normalised) was already seen")
     max_samples: int = opt(0, "stop after this many kept samples (0: all)")
-    overwrite: bool = opt(False, "replace an existing prepared dataset at --out")
-    trust_remote_code: bool = opt(False, "let transformers run code shipped with a target folder")
+    overwrite: bool = overwrite_opt("eyas prepare")
+    trust_remote_code: bool = trust_remote_code_opt()
 
-    def __post_init__(self):
+    def validate(self):
         check(len(self.data) > 0, "no input data given", "pass --data FILE... (or a shorthand such as mt-bench)")
         check(self.max_length >= 8, f"--max-length {self.max_length} is too small", "use at least 8 tokens")
         check(self.overlong in ("truncate", "drop"), f"--overlong {self.overlong!r} is unknown", "use truncate or drop")

@@ -33,20 +33,22 @@ import torch
 from eyas.core.config import StageConfig, check, opt
 from eyas.core.dist import pick_device
 from eyas.core.errors import EyasError
-from eyas.core.generate import BatchGenerator, supports
 from eyas.core.log import console, fmt_duration, fmt_int
+from eyas.core.options import Dtype, device_opt, dtype_opt, overwrite_opt, target_opt, trust_remote_code_opt
 from eyas.core.precision import choose_dtype
-from eyas.core.target import DEFAULT_TARGET, load_target
+from eyas.core.target import load_target
 from eyas.core.threads import Threads
 from eyas.data.chat import ChatRenderer
 from eyas.data.replies import keep_settings, lock_output, read_done, start_anew
+from eyas.models.generation import BatchGenerator
+from eyas.models.llama import supports
 
 PLACEHOLDER = "\u2063EYAS-USER-TURN\u2063"  # a user message's content, to find where the template puts it
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PromptsConfig(StageConfig):
-    target: str = opt(DEFAULT_TARGET, "the target that writes the prompts; a name, HF folder or .gguf")
+    target: str = target_opt(role="it writes the prompts")
     out: str = opt("runs/demo/prompts.jsonl", "output JSONL, appended; a rerun resumes where it stopped")
     num_prompts: int = opt(1000, "prompts to write")
     system: str = opt("", "a system message before the user turn, to steer the kind of request (empty: the "
@@ -57,14 +59,13 @@ class PromptsConfig(StageConfig):
     top_p: float = opt(1.0, "nucleus sampling mass")
     seed: int = opt(0, "sampling seed; each batch's own seed follows from it and the batch's index")
     batch_size: int = opt(64, "rows sampled together")
-    dtype: str = opt("auto", "float32, bfloat16, float16, or auto (bfloat16 where the device multiplies it in "
-                     "hardware, else float32)", choices=("float32", "bfloat16", "float16", "auto"))
-    device: str = opt("auto", "auto, cpu, cuda, cuda:1, ...")
+    dtype: Dtype = dtype_opt("the target")
+    device: str = device_opt()
     threads: int = opt(0, "CPU threads (0: the cores other work leaves free; an explicit OMP_NUM_THREADS wins)")
-    trust_remote_code: bool = opt(False, "let transformers run code shipped with a target folder")
-    overwrite: bool = opt(False, "start --out anew (after changing a setting); without it a rerun resumes")
+    trust_remote_code: bool = trust_remote_code_opt()
+    overwrite: bool = overwrite_opt("eyas prompts")  # without it a rerun resumes
 
-    def __post_init__(self):
+    def validate(self):
         check(self.num_prompts >= 1, f"--num-prompts {self.num_prompts} is below 1", "use e.g. 1000")
         check(self.max_new_tokens >= 1, f"--max-new-tokens {self.max_new_tokens} is below 1", "use e.g. 160")
         check(self.temperature > 0, f"--temperature {self.temperature} is not above 0",

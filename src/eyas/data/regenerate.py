@@ -9,7 +9,7 @@ Backends:
 - local: the loaded target (eyas.data.local), eyas's continuous batching or `transformers` `generate`,
   `--batch-size` conversations at a time, greedy at `--temperature 0`, else sampled; replies end at EOS / the
   template's end-of-turn token. On a CPU, one worker process per core (eyas.data.workers).
-- `--engine vllm`: a vLLM server eyas starts and stops (eyas.data.engine).
+- `--engine vllm`: a vLLM server eyas starts and stops (eyas.data.vllm_backend).
 - `--server URL`: any OpenAI-compatible `/v1/chat/completions` (vLLM, SGLang, llama.cpp) with `--concurrency`
   conversations in flight on threads; each request has a `--timeout`, failures are retried with exponential
   backoff up to `--retries` times within `--retry-time` seconds (eyas/regenerate_server.py).
@@ -31,9 +31,8 @@ from eyas.core.config import StageConfig, check, opt
 from eyas.core.dist import on_gpu, pick_device
 from eyas.core.errors import EyasError, Incomplete
 from eyas.core.log import console, fmt_duration, fmt_int
+from eyas.core.options import Dtype, device_opt, dtype_opt, overwrite_opt, target_opt, trust_remote_code_opt
 from eyas.core.precision import choose_dtype
-from eyas.core.target import DEFAULT_TARGET
-from eyas.data.engine import ENGINE_CONCURRENCY, EngineBackend, SharedEngine
 from eyas.data.formats import (
     Conversation,
     Issues,
@@ -43,12 +42,13 @@ from eyas.data.formats import (
 from eyas.data.local import LocalBackend, answer_here
 from eyas.data.replies import LEFT_OUT, TOO_LONG, Sink, keep_settings, lock_output, read_done, start_anew
 from eyas.data.server import SERVER_CONCURRENCY, ServerBackend, run_server
+from eyas.data.vllm_backend import ENGINE_CONCURRENCY, EngineBackend, SharedEngine
 from eyas.data.workers import Workers, plan_workers
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RegenerateConfig(StageConfig):
-    target: str = opt(DEFAULT_TARGET, "target that answers (local backend); a name, HF folder or .gguf")
+    target: str = target_opt(role="it answers")
     data: tuple[str, ...] = opt((), "input files, folders or shorthands: mt-bench, gsm8k-train, gsm8k-test, "
                                     "chitchat, writingbench")
     out: str = opt("runs/demo/regenerated.jsonl", "output JSONL, appended; a rerun skips the ids it holds")
@@ -64,14 +64,12 @@ class RegenerateConfig(StageConfig):
     generator: str = opt("auto", "local backend: lean (batched decoder for Llama-family targets, fast on CPUs), hf "
                          "(transformers generate, any model); auto = lean where it applies",
                          choices=("auto", "lean", "hf"))
-    device: str = opt("auto", "local backend: auto, cpu, cuda, cuda:1, ...")
+    device: str = device_opt()  # the local backend's
     threads: int = opt(0, "local backend: CPU threads of each worker (0: its share of the cores other work leaves "
                           "free, re-checked as it runs; an explicit OMP_NUM_THREADS also wins)")
     workers: int = opt(0, "local backend: processes, each with a copy of the target (0: one per core on a CPU, "
                           "fewer for few conversations or little memory; 1 on a GPU)")
-    dtype: str = opt("float32", "float32, bfloat16, float16, or auto (bfloat16 where the device multiplies it in "
-                     "hardware, else float32); the local backend's and the engine's",
-                     choices=("float32", "bfloat16", "float16", "auto"))
+    dtype: Dtype = dtype_opt("the target (the local backend's and the engine's)")
     engine: str = opt("local", "local: the target loaded here answers (--generator); vllm: a vLLM server eyas starts "
                                "for the run and always stops (docs/regenerate.md)", choices=("local", "vllm"))
     engine_python: str = opt("", "vllm: the python of vLLM's own environment (empty: $EYAS_VLLM_PYTHON, else the one "
@@ -88,11 +86,10 @@ class RegenerateConfig(StageConfig):
     retries: int = opt(4, "server backend: retries of a failed request (refused, timed out, 5xx, malformed)")
     retry_time: float = opt(600.0, "server backend: seconds one request may spend in retries, in total")
     api_key_file: str = opt("", "file holding the server's API key (else $EYAS_API_KEY; the key is never printed)")
-    trust_remote_code: bool = opt(False, "let transformers run code shipped with a target folder")
-    overwrite: bool = opt(False, "start --out anew (its replies and their settings are replaced), e.g. after changing "
-                                 "a generation setting; without it a rerun resumes, under the same settings only")
+    trust_remote_code: bool = trust_remote_code_opt()
+    overwrite: bool = overwrite_opt("eyas regenerate")  # without it a rerun resumes, under the same settings only
 
-    def __post_init__(self):
+    def validate(self):
         check(len(self.data) > 0, "no input data given", "pass --data FILE... (or a shorthand such as mt-bench)")
         check(self.max_samples >= 0, f"--max-samples {self.max_samples} is negative", "use 0 for all")
         check(self.max_turns >= 0, f"--max-turns {self.max_turns} is negative", "use 0 for all turns")

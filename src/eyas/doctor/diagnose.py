@@ -9,7 +9,8 @@ The modules, from the bytes up:
 - `eyas.doctor.settings`: `DoctorConfig`;
 - here: reading a log or an eyas run folder (`Tail`, `open_log`, `--follow`), `analyse` (one
   log's report) and `render`;
-- `eyas.doctor.logformats`: the per-format line parsers, lines -> `Step` and `Fact` records;
+- `eyas.doctor.logformats`: the per-format line parsers, lines -> `Step` and `Fact` records (eyas.doctor.records),
+  with their line patterns (eyas.doctor.patterns) and timestamps (eyas.doctor.clock);
 - `eyas.doctor.series`: one rank's series of steps (writers, restarts, rate, lr schedule);
 - `eyas.doctor.figures`: the figures a verdict needs, each with its source;
 - `eyas.doctor.verdict`: the sharding verdict (every rule is in `decide`), progress, ETA and anomalies.
@@ -28,7 +29,8 @@ from eyas.core.errors import EyasError
 from eyas.core.files import read_json
 from eyas.core.log import Console, fmt_duration, fmt_int
 from eyas.doctor.figures import cite, figures, latest
-from eyas.doctor.logformats import MAX_LINE, Fact, LogParser
+from eyas.doctor.logformats import MAX_LINE, LogParser
+from eyas.doctor.records import Fact
 from eyas.doctor.series import (
     anomaly,
     bar_steps,

@@ -13,7 +13,7 @@ import statistics
 from collections import Counter
 
 from eyas.core.log import fmt_int
-from eyas.doctor.logformats import Fact
+from eyas.doctor.records import Fact
 from eyas.doctor.settings import DoctorConfig
 
 

@@ -17,192 +17,58 @@ Formats (what each line looks like):
 - generic: a line with a step (`step 12`, `global_step=12`, `iter 12/500`) or epoch counter and an lr.
 
 Parsers are linear in the line length: lines are capped at MAX_LINE characters, no regex has nested
-quantifiers, and nothing is evaluated (SpecForge's dict reprs and JSON values are read with regexes or `json`).
-Memory is bounded whatever the log's length: `StepSample` keeps every step record of the first and last stretch
-of the log and, in between, a thinning sample that never drops what a verdict rests on (epoch boundaries, restarts,
-repeated lines, the lr reaching 0); pauses and the logging interval are measured as the lines stream past.
+quantifiers (the patterns are in eyas.doctor.patterns, the timestamps read by eyas.doctor.clock), and nothing is
+evaluated (SpecForge's dict reprs and JSON values are read with regexes or `json`). Memory is bounded whatever the
+log's length: the step records go into a `StepSample` (eyas.doctor.records), and pauses and the logging interval are
+measured as the lines stream past.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
 import heapq
 import json
 import math
 import re
-from collections import Counter, deque
+from collections import Counter
+
+from eyas.doctor.clock import Clock
+from eyas.doctor.patterns import (
+    ANSI,
+    BAR,
+    BAR_ELAPSED,
+    CRASH,
+    DUPLICATE_DATA,
+    EPOCH_DONE,
+    EYAS_DATA,
+    EYAS_EPOCH_END,
+    EYAS_PLAN,
+    GEN_EPOCH,
+    GEN_LOSS,
+    GEN_LR,
+    GEN_STEP,
+    KV_EQ,
+    NCCL_RANK,
+    PY_WARNING,
+    RANK_PREFIX,
+    RICH_CONT,
+    RICH_HEAD,
+    RICH_SOURCE,
+    ROOT_CAUSE,
+    ROOT_RANK,
+    RUN_END,
+    SF_KV,
+    SF_STEP,
+    STATED,
+    TB_ERROR,
+    TB_FRAME,
+    TORCHRUN,
+    TRACEBACK,
+    VALIDATION,
+    WATCHDOG,
+)
+from eyas.doctor.records import Fact, Step, StepSample
 
 MAX_LINE = 65536  # characters kept of one line; the rest is ignored (and counted)
-
-_NUM = r"[-+]?(?:\d{1,20}(?:\.\d{0,20})?|\.\d{1,20})(?:[eE][-+]?\d{1,3})?"
-_INT = r"\d[\d,]{0,18}"
-
-RANK_PREFIX = re.compile(r"^\[(?:rank|default)(\d{1,5})\]:\s?")
-ANSI = re.compile(r"\x1b\[[0-9;?]{0,32}[ -/]{0,4}[@-~]")
-ISO_TS = re.compile(r"(\d{4})-(\d\d)-(\d\d)[ T](\d\d):(\d\d):(\d\d)(?:[.,](\d{1,9}))?")
-GLOG_TS = re.compile(r"^[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)(?:\.(\d{1,9}))?\s")
-TIME_TS = re.compile(r"^\[?(\d\d):(\d\d):(\d\d)(?:[.,](\d{1,9}))?\]?\s")
-
-SF_STEP = re.compile(r"step (\d{1,12}): \{")
-SF_KV = re.compile(r"'([\w/.\-]{1,80})': (" + _NUM + r"|nan|inf|-inf)")
-RICH_HEAD = re.compile(r"^(?:\[\d\d:\d\d:\d\d\]|\s{11})\s?(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\s{1,9}(\S.*)$")
-RICH_CONT = re.compile(r"^ {20}(\S.*)$")
-RICH_SOURCE = re.compile(r"\s{2,80}[\w.\-]{1,80}\.py:\d{1,6}\s{0,80}$")
-KV_EQ = re.compile(r"([\w/.\-]{1,80})=([^\s,]{1,80})")
-
-GEN_STEP = re.compile(r"(?<![\w/])(?:global[_ ]step|step|iter(?:ation)?)['\"]?\s{0,3}[:=#]?\s{0,3}(\d{1,12})"
-                      r"(?:\s{0,3}/\s{0,3}(\d{1,12}))?", re.I)
-GEN_EPOCH = re.compile(r"(?<![\w/])epoch['\"]?\s{0,3}[:=]?\s{0,3}(\d{1,9}(?:\.\d{1,12})?)(?:\s{0,3}/\s{0,3}(\d{1,9}))?",
-                       re.I)
-GEN_LR = re.compile(r"(?<![\w/])(?:lr|learning[_ ]rate)['\"]?\s{0,3}[:=]?\s{0,3}(" + _NUM + ")", re.I)
-GEN_LOSS = re.compile(r"(?<![\w/])(?:train[_/ ])?loss['\"]?\s{0,3}[:=]?\s{0,3}(" + _NUM + ")", re.I)
-
-EYAS_DATA = re.compile(r"data: (" + _INT + r") samples over (\d{1,6}) ranks? -> (" + _INT + r")(?:-(" + _INT +
-                       r"))? per rank per epoch \((" + _INT + r") (padded|dropped)\)(?: in (" + _INT +
-                       r") packed sequences \(global\))?, disjoint: (yes|no)", re.I)
-EYAS_PLAN = [
-    ("samples", re.compile(r"plan: dataset (" + _INT + r") samples \(global\), (\d{1,6}) epochs")),
-    ("batching", re.compile(r"plan: (\d{1,6}) ranks x micro-batch (\d{1,9}) \(per rank\) x grad accum (\d{1,9})")),
-    ("micro", re.compile(r"plan: micro-batches per rank: (" + _INT + r") per epoch, (" + _INT + r") in all")),
-    ("steps", re.compile(r"plan: optimizer steps \(global[^)]{0,60}\): (" + _INT + r") per epoch, (" + _INT +
-                         r") in all")),
-    ("run", re.compile(r"plan: this run takes (" + _INT + r") optimizer steps")),  # --max-steps or packing
-]
-EYAS_EPOCH_END = re.compile(r"epoch (\d{1,6}): (" + _INT + r") samples processed \(global\) of (" + _INT + r")")
-
-# (fact name, pattern): the first group is the value. Phrases logs use for the figures doctor needs.
-STATED = [
-    ("samples", re.compile(r"(?:num[_ ]?(?:train[_ ]?)?samples|dataset[_ ]size|"
-                           r"train(?:ing)?[_ ](?:samples|files|examples|conversations|dataset[_ ]size)|"
-                           r"len\((?:train_?)?dataset\))\s{0,3}[:=]\s{0,3}(" + _INT + ")", re.I)),
-    ("samples", re.compile(r"(?:loaded|found|using)\s{1,3}(" + _INT + r")\s{1,3}(?:train(?:ing)?\s{1,3})?"
-                           r"(?:samples|examples|conversations)\b", re.I)),
-    ("world_size", re.compile(r"world[_ ]size\s{0,3}[:=]?\s{0,3}(\d{1,6})\b", re.I)),
-    ("world_size", re.compile(r"(?:nproc[_-]per[_-]node|num[_ ]processes|num[_ ]gpus)\s{0,3}[:= ]\s{0,3}(\d{1,6})\b",
-                              re.I)),
-    ("batches_per_epoch", re.compile(r"(?:batches|steps|iterations|iters)\s{0,3}(?:/|per)\s{0,3}epoch\s{0,3}[:=]?"
-                                     r"\s{0,3}(" + _INT + ")", re.I)),
-    ("batches_per_epoch", re.compile(r"len\((?:train_?)?(?:data_?)?loader\)\s{0,3}[:=]?\s{0,3}(" + _INT + ")", re.I)),
-    ("total_steps", re.compile(r"total\s{1,3}(?:training\s{1,3}|optimi[sz](?:ation|er)\s{1,3})?steps\s{0,3}[:=]?"
-                               r"\s{0,3}(" + _INT + ")", re.I)),
-    ("total_steps", re.compile(r"(?:max_steps|num_training_steps|total_steps)\s{0,3}[:=]\s{0,3}(" + _INT + ")", re.I)),
-    ("epochs", re.compile(r"(?:num[_ ]?(?:train[_ ])?epochs|n_epochs|epochs)\s{0,3}[:=]\s{0,3}(\d{1,6})\b", re.I)),
-    ("epochs", re.compile(r"\bepoch\s{1,3}\d{1,6}\s{0,2}/\s{0,2}(\d{1,6})\b", re.I)),
-    ("micro_batch", re.compile(r"(?:micro[_ -]batch(?:[_ ]size)?|per[_ ]device[_ ]train[_ ]batch[_ ]size|"
-                               r"(?<![\w/])batch[_ ]size)\s{0,3}[:=]\s{0,3}(\d{1,6})\b", re.I)),
-    ("grad_accum", re.compile(r"grad(?:ient)?[_ ]accum(?:ulation)?(?:[_ ]steps)?\s{0,3}[:=]\s{0,3}(\d{1,6})\b", re.I)),
-]
-BAR = re.compile(r"(\d{1,3})%\s?\|?[^\d\r]{0,400}?\|?\s{0,3}(\d{1,12})/(\d{1,12})\s{0,3}\[")
-BAR_ELAPSED = re.compile(r"\s?(?:(\d{1,5}):)?(\d{1,2}):(\d\d)\s?<")  # tqdm `[01:02<...`, rich `[ 0:00:06 < ...`
-EPOCH_DONE = re.compile(r"training epoch (\d{1,6})/(\d{1,6}) (?:completed|complete|finished|done)", re.I)
-RUN_END = re.compile(r"(?:training|train)\b.{0,40}?\b(?:completed|complete|finished|done)\b|finished training", re.I)
-TRACEBACK = re.compile(r"^Traceback \(most recent call last\):")
-TB_FRAME = re.compile(r'^\s{1,8}File "([^"]{1,300})", line (\d{1,7})(?:, in (\S{1,100}))?')
-TB_ERROR = re.compile(r"^([A-Za-z_][\w.]{0,120}(?:Error|Exception|Exit|Interrupt|Fault))(?:: (.{0,300}))?$")
-WATCHDOG = re.compile(r"Watchdog caught collective operation timeout|NCCL (?:communicator|operation).{0,40}timed? ?out"
-                      r"|DistBackendError|ProcessGroupNCCL.{0,80}(?:timeout|Terminating the process)", re.I)
-NCCL_RANK = re.compile(r"\[Rank (\d{1,5})\]")
-ROOT_CAUSE = re.compile(r"^Root Cause \(first observed failure\)")
-ROOT_RANK = re.compile(r"^\s{0,4}rank\s{0,8}: (\d{1,5}) \(local_rank")
-CRASH = re.compile(r"Traceback \(most recent call last\)|out of memory|OutOfMemoryError|ChildFailedError|"
-                   r"Watchdog caught collective operation timeout", re.I)
-VALIDATION = re.compile(r"\b(?:validation|validating|evaluating|evaluation)\b", re.I)
-TORCHRUN = re.compile(r"Setting OMP_NUM_THREADS environment variable for each process")
-PY_WARNING = re.compile(r"^\S{0,300}\.py:\d{1,6}: [A-Z]\w{0,40}Warning: ")
-DUPLICATE_DATA = re.compile(r"allow[-_]duplicate[-_]data|\[DUPLICATE DATA\]")
-
-
-@dataclasses.dataclass(slots=True)
-class Step:
-    """One logged optimizer step, as one rank wrote it."""
-
-    line: int  # 1-based line number in the file
-    fmt: str  # the format that recognised it
-    step: int | None = None  # the step counter, as logged (0- or 1-based, per epoch or per run)
-    of: int | None = None  # `step 12/500`: the counter's stated total
-    rank: int | None = None  # from a torchrun `[rankK]:` prefix
-    epoch: float | None = None
-    lr: float | None = None
-    loss: float | None = None
-    time: float | None = None  # seconds on the log's own clock (time of day + days, or elapsed_s)
-    duration: float | None = None  # this step's own duration, when the log states it
-    samples_seen: int | None = None  # global samples seen so far, when the log states it
-    arrival: float | None = None  # wall-clock time the line was read (--follow), for logs without timestamps
-    key: int = 0  # hash of the record's text without the rank prefix (duplicate detection)
-    seq: int = 0  # 0-based index among all step records of the log (kept or not)
-    keep: bool = False  # StepSample: never thinned away (evidence a verdict may rest on)
-
-
-@dataclasses.dataclass(slots=True)
-class Fact:
-    """Something a log states, with its line number and the text that says it."""
-
-    line: int
-    name: str
-    value: object
-    text: str
-
-
-class StepSample:
-    """The step records a log keeps, in order, in bounded memory.
-
-    Every record of the last TAIL is kept; older ones are kept if they are evidence (`Step.keep`: the first HEAD
-    records, an epoch change and the record before it, a restart, a repeated line, the lr reaching 0) or if their
-    step value is a multiple of the stride, which doubles whenever more than LIMIT records are kept. All copies of
-    a step value (one per writer) share its fate, so writers are still counted on what is kept."""
-
-    HEAD, TAIL, LIMIT = 4096, 4096, 60_000
-
-    def __init__(self):
-        self.kept: list[Step] = []
-        self.tail: deque[Step] = deque()
-        self.stride = 1
-        self.count = 0  # records seen
-        self._last: dict[int | None, Step] = {}  # the previous record of each rank (None: unprefixed)
-        self._lr_peak = 0.0
-        self.evidence = 0  # records marked as evidence after the head
-
-    def add(self, step: Step) -> None:
-        step.seq = self.count
-        self.count += 1
-        prev = self._last.get(step.rank)
-        if self.count <= self.HEAD:
-            step.keep = True
-        elif prev is not None and self.evidence < self.LIMIT // 2:  # evidence is bounded too (hostile logs)
-            if prev.epoch is not None and step.epoch is not None and int(step.epoch) != int(prev.epoch):
-                self._mark(step, prev)
-            elif step.step is not None and prev.step is not None and step.step < prev.step - 2:
-                self._mark(step, prev)  # a restart, or an epoch-local counter starting again
-            elif step.rank is not None and step.key == prev.key:
-                self._mark(step, prev)  # a rank repeating its line (unprefixed writers repeat each other's)
-            elif step.lr is not None and prev.lr is not None and step.lr <= 1e-6 * self._lr_peak < prev.lr:
-                self._mark(step)  # the lr reached 0
-        if step.lr is not None:
-            self._lr_peak = max(self._lr_peak, step.lr)
-        self._last[step.rank] = step
-        self.tail.append(step)
-        if len(self.tail) > self.TAIL:
-            self._retire(self.tail.popleft())
-
-    def _mark(self, *steps: Step) -> None:
-        for s in steps:
-            if not s.keep:
-                s.keep = True
-                self.evidence += 1
-
-    def _retire(self, s: Step) -> None:
-        if self._wanted(s):
-            self.kept.append(s)
-            while len(self.kept) > self.LIMIT:
-                self.stride *= 2
-                self.kept = [k for k in self.kept if self._wanted(k)]
-
-    def _wanted(self, s: Step) -> bool:
-        return s.keep or (s.step if s.step is not None else s.seq) % self.stride == 0
-
-    def steps(self) -> list[Step]:
-        return self.kept + list(self.tail)
 
 
 def _search(rx: re.Pattern, text: str, low: str, word: str, other: str = "") -> re.Match | None:
@@ -233,73 +99,6 @@ def _float(s) -> float | None:
     except (TypeError, ValueError, OverflowError):
         return None
     return v if math.isfinite(v) else None
-
-
-class Clock:
-    """Log timestamps -> seconds: time of day plus whole days, so stamps with and without dates mix."""
-
-    def __init__(self):
-        self.date: datetime.date | None = None
-        self.guessed = False  # the date's year is a guess (glog stamps carry month and day only)
-        self.days = 0
-        self.last: float | None = None
-        self.tod = 0.0
-        self._day: tuple | None = None  # the last ISO date read, as text
-        self.end = 0  # where the stamp ended in the text last read (0: no stamp)
-
-    def read(self, text: str) -> float | None:
-        """The timestamp at the start of `text` in seconds, or None; updates `last`."""
-        head = text[:48]
-        self.end = 0
-        m = ISO_TS.search(head)
-        if m:
-            self.end = m.end()
-            day = m.group(1, 2, 3)
-            if day != self._day:  # a new date (most stamps repeat the last one)
-                if not self._date(int(day[0]), int(day[1]), int(day[2]), guessed=False):
-                    return None
-                self._day = day
-            return self._time(int(m.group(4)), int(m.group(5)), int(m.group(6)), m.group(7))
-        m = GLOG_TS.match(head) or TIME_TS.match(head)
-        if not m:
-            return None
-        self._day, self.end = None, m.end()
-        g = m.groups()
-        if len(g) == 6:  # glog: month, day, h, m, s, fraction (no year)
-            if not self._date(self.date.year if self.date else 2000, int(g[0]), int(g[1]), guessed=True):
-                return None
-            g = g[2:]
-        return self._time(int(g[0]), int(g[1]), int(g[2]), g[3])
-
-    def _date(self, y: int, mo: int, d: int, guessed: bool) -> bool:
-        try:
-            date = datetime.date(y, mo, d)
-            seen = self.date
-            if seen is not None and (guessed or self.guessed):  # compare month and day only
-                seen = seen.replace(year=y)
-        except ValueError:
-            return False
-        if seen is not None and date != seen:
-            delta = (date - seen).days
-            if delta < -300:  # December -> January with a guessed year
-                delta += 365
-            self.days += max(-1, min(366, delta))
-        if not (guessed and self.date is not None and not self.guessed):  # keep a real year once known
-            self.date, self.guessed = date, guessed
-        else:
-            self.date = date.replace(year=self.date.year)
-        return True
-
-    def _time(self, h: int, mi: int, s: int, frac: str | None) -> float | None:
-        if h > 23 or mi > 59 or s > 60:
-            return None
-        self.tod = h * 3600 + mi * 60 + s + (float("0." + frac) if frac else 0.0)  # time of day, writer's zone
-        t = self.days * 86400 + self.tod
-        if self.last is not None and t < self.last - 43200:  # time of day wrapped past midnight
-            self.days += 1
-            t += 86400
-        self.last = t
-        return t
 
 
 class LogParser:

@@ -15,7 +15,7 @@ import statistics
 from collections import Counter
 
 from eyas.core.log import fmt_int
-from eyas.doctor.logformats import Fact, Step
+from eyas.doctor.records import Fact, Step
 
 
 def anomaly(kind: str, line: int, message: str) -> dict:

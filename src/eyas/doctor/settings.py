@@ -21,7 +21,7 @@ class DoctorConfig(StageConfig):
     follow_timeout: float = opt(600.0, "with --follow: stop after this many seconds without a new line (0 = never)")
     poll: float = opt(1.0, "with --follow: seconds between reads of the log")
 
-    def __post_init__(self):
+    def validate(self):
         check(len(self.logs) > 0, "doctor: no log given", "give one or more log files or eyas run folders")
         check(not self.follow or len(self.logs) == 1, "doctor: --follow reads one log", "give a single log")
         for name in ("samples", "world_size", "micro_batch", "epochs"):

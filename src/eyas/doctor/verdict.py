@@ -13,7 +13,7 @@ import math
 
 from eyas.core.log import fmt_duration, fmt_int
 from eyas.doctor.figures import cite, latest
-from eyas.doctor.logformats import Fact
+from eyas.doctor.records import Fact
 from eyas.doctor.series import anomaly
 
 TOL = 0.15  # relative distance within which an observed count matches a prediction

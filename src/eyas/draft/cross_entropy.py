@@ -13,7 +13,7 @@ top-1 hit and dz (over small row chunks, in float32), then dh for the block's ro
 [N, Vd] is kept: the backward only scales. dh_n is exact for any g (grad_h = g dh); dW is accumulated with the row
 weights w the caller announces, and grad_W = c dW when g = c w, the trainer's case (g_n is the weight of row n's
 TTT step). Without weights, or for any other g, dW is computed in backward, block by block with g: one more pass
-over the output head (measured: 1.4x the cross-entropy's time, 1.3-1.5x a whole TTT step's at T = 1024).
+over the output head.
 
 Memory: one block's logits [R, Vd] (compute dtype) and target probabilities [<= R, Vd] float32, plus dh [N, H]
 and dW [Vd, H] float32; the old path kept [N, Vd] logits and an [M, Vd] float32 table.

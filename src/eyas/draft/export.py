@@ -28,13 +28,15 @@ from eyas.core.config import StageConfig, check, opt
 from eyas.core.errors import EyasError
 from eyas.core.files import check_replaceable, publish_output, read_json, staged_output, write_json
 from eyas.core.log import console, fmt_bytes
+from eyas.core.options import Dtype, dtype_opt, overwrite_opt
 from eyas.core.paths import inside
+from eyas.core.precision import FULL
 from eyas.core.target import BUILTINS, TINY, hub_id, resolve_source
 from eyas.draft.checkpoint import CONFIG_FILE, WEIGHTS_FILE
 from eyas.draft.model import DraftConfig, Eagle3Draft
 
 FORMATS = ("eagle3", "speculators")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # by their full names
 KEYS_FILE = Path(__file__).with_name("engine_keys.json")
 DRAFT_FIX = "point at a draft folder holding config.json and model.safetensors, or re-export it"
 _DTYPE_CHECK = {"float": torch.is_floating_point, "int64": lambda t: t.dtype == torch.int64,
@@ -230,16 +232,16 @@ class ExportConfig(StageConfig):
     format: Literal["eagle3", "speculators"] = opt("eagle3", "eagle3 (SGLang, vLLM method eagle3) or speculators "
                                                    "(vllm serve DIR, speculators)")
     out: str = opt("", "output folder (default: CHECKPOINT-FORMAT beside the checkpoint)")
-    dtype: Literal["float32", "bfloat16", "float16"] = opt("float32", "dtype of the floating-point weights")
+    dtype: Dtype = dtype_opt("the floating-point weights", auto="fp32, the checkpoint's own: lossless")
     verifier: str = opt("", "speculators only: the target the draft serves with (HF id, folder or eyas built-in); "
                         "default: the checkpoint's built-in target")
     speculative_tokens: int = opt(3, "speculators only: draft tokens per step that `vllm serve DIR` uses")
     embed: bool = opt(True, "include embed_tokens (self-contained); --no-embed lets engines take the target's")
-    overwrite: bool = opt(False, "replace an existing output folder that eyas export wrote (nothing else)")
+    overwrite: bool = overwrite_opt("eyas export")
     evaluation: str = opt("", "eyas evaluate's results.json of this draft, for the model card's figures; empty: the "
                                "one in the checkpoint's run folder that measured it, if any")
 
-    def __post_init__(self):
+    def validate(self):
         check(bool(self.checkpoint), "no checkpoint given", "run `eyas export CHECKPOINT --format eagle3|speculators`")
         check(self.speculative_tokens >= 1, f"--speculative-tokens {self.speculative_tokens} is below 1",
               "use 1 or more (3 is usual)")
@@ -274,18 +276,19 @@ def run(cfg: ExportConfig) -> dict:
     check(dc.num_layers == 1, f"{src}: the draft has {dc.num_layers} layers",
           "export supports the one-layer EAGLE-3 draft every engine's LlamaForCausalLMEagle3 loads; train with 1 layer")
     check_replaceable(out, "export", cfg.overwrite)
-    tensors = to_engine(state, dc, cfg.format, DTYPES[cfg.dtype], cfg.embed)
+    dtype = "float32" if cfg.dtype == "auto" else FULL[cfg.dtype]  # auto: the checkpoint's own (fp32), lossless
+    tensors = to_engine(state, dc, cfg.format, DTYPES[dtype], cfg.embed)
     check_weights(cfg.format, tensors, dims(dc), str(out))
     found = evaluation_of(src, cfg.evaluation)
     if found is not None:
         meta = {**meta, "evaluation": found}
     prov = provenance(meta, src)
     if cfg.format == "eagle3":
-        config = eagle3_config(dc, cfg.dtype, prov)
+        config = eagle3_config(dc, dtype, prov)
         verifier = (None, [])
     else:
         verifier = resolve_verifier(cfg.verifier, dc.target_identity)
-        config = speculators_config(dc, cfg.dtype, verifier, cfg.speculative_tokens, prov)
+        config = speculators_config(dc, dtype, verifier, cfg.speculative_tokens, prov)
     check_config(cfg.format, config, dc, str(out))
 
     tmp = staged_output(out, "export", cfg.overwrite)
@@ -294,10 +297,10 @@ def run(cfg: ExportConfig) -> dict:
     (tmp / "README.md").write_text(model_card(cfg.format, dc, meta, verifier[0]), encoding="utf-8")
     publish_output(tmp, out, "export")
     size = (out / WEIGHTS_FILE).stat().st_size
-    summary = {"format": cfg.format, "out": str(out), "tensors": len(tensors), "bytes": size, "dtype": cfg.dtype,
+    summary = {"format": cfg.format, "out": str(out), "tensors": len(tensors), "bytes": size, "dtype": dtype,
                "draft_vocab_size": dc.draft_vocab_size, "vllm_layer_ids": list(dc.feature_layers),
                "sglang_layer_ids": [i - 1 for i in dc.feature_layers], "verifier": verifier[0], "fc_norm": dc.fc_norm}
-    con.summary(f"export: {cfg.format} draft -> {out} ({len(tensors)} tensors, {fmt_bytes(size)}, {cfg.dtype}; "
+    con.summary(f"export: {cfg.format} draft -> {out} ({len(tensors)} tensors, {fmt_bytes(size)}, {dtype}; "
                 f"layer ids vLLM {summary['vllm_layer_ids']} / SGLang {summary['sglang_layer_ids']})")
     return summary
 

@@ -13,6 +13,7 @@ from eyas.core.config import StageConfig, check, opt
 from eyas.core.errors import EyasError
 from eyas.core.files import check_replaceable, publish_output, read_json, staged_output
 from eyas.core.log import console
+from eyas.core.options import overwrite_opt, target_opt
 from eyas.core.target import default_feature_layers
 from eyas.core.weights import load_target_shell, read_module
 from eyas.draft.checkpoint import CONFIG_FILE, save_draft
@@ -32,12 +33,12 @@ class ImportConfig(StageConfig):
     source: str = opt(None, "an eagle3 or speculators draft folder (eyas, SpecForge, speculators, EAGLE)",
                       positional=True)
     out: str = opt("", "eyas checkpoint folder to write (default: SOURCE-eyas)")
-    target: str = opt("smollm2-135m", "the target the draft runs on (built-in name or HF folder): its identity, its "
-                      "layer count and its embed_tokens when the draft has none")
+    target: str = target_opt(role="the draft runs on it: its identity, its layer count and its embed_tokens when "
+                                  "the draft has none")
     layers: tuple[int, ...] = opt((), "HF hidden_states indices of the draft's features, when its config has none")
-    overwrite: bool = opt(False, "replace an existing output folder that eyas import wrote (nothing else)")
+    overwrite: bool = overwrite_opt("eyas import")
 
-    def __post_init__(self):
+    def validate(self):
         check(bool(self.source), "no draft folder given", "run `eyas import DIR`")
 
     def out_dir(self) -> Path:

@@ -61,7 +61,7 @@ def ttt_forward(model: Eagle3Draft, input_ids: torch.Tensor, aux: torch.Tensor, 
     target_logp: the target's distribution over the draft vocabulary at every position, as log-probs [B,T,Vd]
     or as TargetRows (final [B,T,H] and the head rows, computed block by block in the cross-entropy). Compact
     targets: [M,Vd] log-probs or TargetRows(final [M,H], ...) hold only the positions some step reads, and
-    target_index [B,T] gives each position's row there (-1 elsewhere), as eyas.train.data.sparse_target_logp
+    target_index [B,T] gives each position's row there (-1 elsewhere), as eyas.train.batches.sparse_target_logp
     builds them. step_scale [k]: the weights the caller will give the steps' loss sums (the trainer's scale), so
     the output head's weight gradient made in the forward is the one backward needs (any other weighting is still
     exact, at the cost of a second pass over the output head)."""

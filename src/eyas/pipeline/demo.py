@@ -27,14 +27,14 @@ from pathlib import Path
 from eyas.core.config import StageConfig, check, from_mapping, load_toml, opt
 from eyas.core.errors import EyasError
 from eyas.core.log import console
-from eyas.pipeline.commands import COMMANDS, load_stage
-from eyas.pipeline.runner import Stage, run_pipeline
-from eyas.speculate.report import lossless_word
+from eyas.pipeline.registry import COMMANDS, load_stage
+from eyas.pipeline.stages import Stage, run_pipeline
+from eyas.speculate.results import lossless_word
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DemoConfig(StageConfig):
-    quick: bool = opt(False, "the tiny random target and a few dozen samples: about two minutes (CI uses it)")
+    quick: bool = opt(False, "the tiny random target and a few dozen samples (CI uses it; docs/demo.md gives its time)")
     name: str = opt("", "run name: the run folder is RUNS_DIR/NAME (default: demo, or demo-quick with --quick)")
     runs_dir: str = opt("runs", "folder holding the runs")
     target: str = opt("", "the target (default: tiny with --quick, else smollm2-135m); e.g. tiny-deepseek-v3")
@@ -45,7 +45,7 @@ class DemoConfig(StageConfig):
     parallel: str = opt("ddp", "training's data parallelism: ddp, or fsdp (FSDP2)", choices=("ddp", "fsdp"))
     force: bool = opt(False, "rerun every stage even when it finished before with the same settings")
 
-    def __post_init__(self):
+    def validate(self):
         check(self.nproc >= 1, f"--nproc must be at least 1, got {self.nproc}", "pass --nproc 1 or 2")
         check(self.samples >= 0 and self.eval_prompts >= 0, "--samples and --eval-prompts cannot be negative",
               "pass 0 for the defaults")
@@ -122,7 +122,7 @@ def _final_lines(summaries: dict, run: Path) -> list[str]:
     if drafted and lookup:  # the yardstick a newcomer needs beside a demo draft's small figures
         pl = lookup[0]
         lines.append(f"prompt lookup (no training) on the same prompts: tau {pl['tau']:.2f}, {pl['speedup']:.2f}x. "
-                     "The demo's draft learns from a few hundred conversations in minutes: it shows the pipeline, "
+                     "The demo's draft learns from a few hundred conversations: it shows the pipeline, "
                      "not a draft worth serving; docs/recipe.md trains one (eyas run examples/smollm2-recipe.toml)")
     rep = summaries.get("report") or {}
     if rep.get("path"):

@@ -3,13 +3,14 @@
     eyas report runs/demo                  -> runs/demo/report.html
 
 Everything on the page is read from the run's own files, each figure from exactly one of them: every number
-carries `data-src="FILE#/json/pointer"` (eyas.report.plots.num), FILE relative to the run folder. Where a
+carries `data-src="FILE#/json/pointer"` (eyas.report.page.num), FILE relative to the run folder. Where a
 stage's file is missing, its section says "not run" instead of failing; an unreadable file is named on the page.
 
-Where the files are: a stage's output folder is its setting in `RUN/stages/<stage>.json` (eyas.pipeline.runner writes
+Where the files are: a stage's output folder is its setting in `RUN/stages/<stage>.json` (eyas.pipeline.stages writes
 it when the stage finishes), taken inside the run folder when it names a path within it (so a moved run folder
 still reports); without markers, the demo's layout: `prepared/`, `store/`, `train/`, `evaluate/`.
-The sections themselves are in eyas.report.sections, the figures and HTML pieces in eyas.report.plots.
+The sections are listed and put together in eyas.report.sections, the figures drawn in eyas.report.charts, the
+HTML pieces and the page template in eyas.report.page.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class ReportConfig(StageConfig):
     out: str = opt("", "the HTML file to write; empty: RUN/report.html")
     samples: int = opt(3, "sample generations shown (when evaluate recorded them)")
 
-    def __post_init__(self):
+    def validate(self):
         check(bool(self.run), "no run folder given", "pass the run folder: eyas report runs/<name>")
         check(self.samples >= 0, f"--samples {self.samples} is negative", "give 0 or more")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from eyas.core.errors import EyasError
 from eyas.core.files import read_json
-from eyas.report.plots import nbytes, num, pct, seconds
+from eyas.report.page import nbytes, num, pct, seconds
 
 
 def get(d, *keys):
@@ -166,7 +166,7 @@ class Loaded:
     final: Doc  # train/final/config.json (eyas.draft.checkpoint.save_draft + "training")
     metrics: Doc  # train/metrics.jsonl, one object per optimizer step
     validation: Doc  # train/validation.jsonl, one object per validation pass
-    results: Doc  # evaluate/results.json (eyas.speculate.report.aggregate)
+    results: Doc  # evaluate/results.json (eyas.speculate.results.aggregate)
 
 
 def load(f: RunFiles) -> Loaded:

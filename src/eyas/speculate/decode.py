@@ -15,7 +15,7 @@ What the metrics count (`acceptance_stats`):
   1..i-1 were all accepted, the share whose depth-i token was accepted too (conditional, EAGLE's alpha_i);
 - reach at position i: share of drafted rounds with a >= i (unconditional).
 
-The drafters live in `eyas.speculate.drafters`, the target side in `eyas.speculate.runner`.
+The drafters live in `eyas.speculate.drafters`, the target side in `eyas.speculate.target_forward`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from eyas.speculate.runner import TargetRunner, sync
+from eyas.speculate.target_forward import TargetRunner, sync
 
 
 # -- proposals and tree masks ------------------------------------------------------------------------------------

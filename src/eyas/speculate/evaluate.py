@@ -6,7 +6,7 @@ then with every configuration: the draft as chains of the given lengths and as o
 baselines (prompt lookup, other drafts). Methods alternate prompt by prompt, so a slow spell of the machine
 hits them alike. Figures: tau, acceptance per position, tokens/s and speedup, the speedup the measured
 latencies predict, and at temperature 0 whether every output equals plain greedy decoding token for token.
-Definitions of the figures: `eyas.speculate.decode` (tau, rates) and `eyas.speculate.report` (speedups).
+Definitions of the figures: `eyas.speculate.decode` (tau, rates) and `eyas.speculate.results` (speedups).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from eyas.core.config import StageConfig, check, opt
 from eyas.core.dist import pick_device
 from eyas.core.errors import EyasError
 from eyas.core.log import console
+from eyas.core.options import Dtype, device_opt, dtype_opt, target_opt
 from eyas.core.paths import shared_data_dir
 from eyas.core.precision import choose_dtype
 from eyas.core.target import load_target
@@ -32,30 +33,30 @@ from eyas.data.chat import ChatRenderer
 from eyas.draft.checkpoint import read_draft
 from eyas.draft.model import DraftConfig, Eagle3Draft
 from eyas.draft.vocab import build_draft_vocab
-from eyas.speculate import lossless, report
+from eyas.speculate import lossless, results
+from eyas.speculate.controller import Controller
 from eyas.speculate.decode import (
     first_divergence,
     plain_generate,
     speculative_generate,
 )
-from eyas.speculate.drafters import (
-    Controller,
-    Eagle3Drafter,
-    HybridDrafter,
-    OracleDrafter,
-    PromptLookupDrafter,
-    TreeShape,
-    few_rows_draft,
-    quantize_int8,
+from eyas.speculate.drafters import Eagle3Drafter, HybridDrafter, OracleDrafter, PromptLookupDrafter, TreeShape
+from eyas.speculate.quantize import few_rows_draft, quantize_int8
+from eyas.speculate.target_forward import (
+    LeanRunner,
+    effective_latency,
+    make_runner,
+    measure_latency,
+    sync,
+    verify_widths,
 )
-from eyas.speculate.runner import LeanRunner, effective_latency, make_runner, measure_latency, sync, verify_widths
 
 REPORT_QS = (1, 4, 8, 16, 32)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalConfig(StageConfig):
-    target: str = opt("smollm2-135m", "target: a built-in name, a Hugging Face folder or a .gguf file")
+    target: str = target_opt()
     draft: str = opt("", "draft checkpoint folder (eyas train's final/); 'untrained' = freshly initialised "
                      "(timing only)")
     bench: str = opt("mt_bench", "mt_bench, gsm8k, or a JSONL file of prompts (turns|prompt|question|messages)")
@@ -78,9 +79,8 @@ class EvalConfig(StageConfig):
                                      "checkpoint folder")
     lookup_k: int = opt(7, "prompt lookup: tokens proposed per round")
     hf_generate: bool = opt(True, "also time transformers' generate; the faster plain decoder is the baseline")
-    dtype: str = opt("auto", "target and draft dtype (auto: bfloat16 where the device multiplies it in hardware, "
-                     "else float32)", choices=("auto", "bfloat16", "float32", "float16"))
-    device: str = opt("", "cpu, cuda, cuda:N; empty = cuda when available, else cpu")
+    dtype: Dtype = dtype_opt("the target and the draft")
+    device: str = device_opt()
     threads: int = opt(0, "CPU threads (0: the cores other work leaves free, re-checked between prompts; an "
                           "explicit OMP_NUM_THREADS also wins)")
     draft_quant: str = opt("none", "none: the draft as trained (what export writes and engines serve); int8: "
@@ -89,7 +89,8 @@ class EvalConfig(StageConfig):
     runner: str = opt("auto", "target forward: lean (Llama family), hf (any model), auto",
                       choices=("auto", "lean", "hf"))
     projections: str = opt("auto", "how the lean runner computes its projections over 1-16 tokens: torch (F.linear), "
-                           "few-rows ((W @ x.T).T: on an AMD EPYC in float32 about 1.5x faster), or auto (the faster "
+                           "few-rows ((W @ x.T).T: t(1) 1.79x faster on an AVX2 EPYC in float32, docs/evaluate.md), "
+                           "or auto (the faster "
                            "here, measured)", choices=("auto", "torch", "few-rows"))
     latency_prefix: int = opt(300, "prefix length for the latency table t(q)")
     widen: bool = opt(True, "verify q tokens in a wider forward where the measured t(q) says the wider one is "
@@ -98,7 +99,7 @@ class EvalConfig(StageConfig):
     repeats: int = opt(1, "decode every turn this many times per method and keep the fastest (steadier on a busy "
                        "machine)")
 
-    def __post_init__(self):
+    def validate(self):
         check(all(k >= 1 for k in self.chain), f"chain lengths {self.chain} must be >= 1", "use e.g. --chain 3 5 7")
         check(self.chain or self.tree, "nothing to evaluate: no chain length and --no-tree", "give --chain or --tree")
         check(self.tree_topk >= 1 and self.tree_depth >= 1, f"tree top-k {self.tree_topk} and depth {self.tree_depth}"
@@ -290,7 +291,7 @@ def hf_generate(target, prompt: list[int], max_new: int, temperature: float, sto
 # -- the run -----------------------------------------------------------------------------------------------------------
 def run(cfg: EvalConfig) -> dict:
     con = console(0, cfg.quiet, cfg.json)
-    device = torch.device(pick_device(cfg.device or "auto"))
+    device = torch.device(pick_device(cfg.device))
     cpu = Threads(cfg.threads, 1, str(device))
     con.print("threads: %d (%s)" % cpu.apply())
     if cfg.temperature > 0 and "oracle" in cfg.baselines:
@@ -340,13 +341,13 @@ def run(cfg: EvalConfig) -> dict:
         lossless.rescore(target, records, runner)
     latency2 = measure_latency(runner, qs, prefix=cfg.latency_prefix, seed=1)
     latency = {q: (latency[q] + latency2[q]) / 2 for q in qs}
-    results = report.aggregate(cfg, target, draft, runner, items, methods, records, latency)
-    results["draft"]["quant"] = quant
-    results["draft"]["precision"] = draft_precision(target.dtype, quant)
-    results["files"] = report.write(results, Path(cfg.out), target.tokenizer)
-    for line in report.summary_lines(results):
+    res = results.aggregate(cfg, target, draft, runner, items, methods, records, latency)
+    res["draft"]["quant"] = quant
+    res["draft"]["precision"] = draft_precision(target.dtype, quant)
+    res["files"] = results.write(res, Path(cfg.out), target.tokenizer)
+    for line in results.summary_lines(res):
         con.print(line, force=not cfg.json)
-    return results
+    return res
 
 
 def draft_precision(dtype: torch.dtype, quant: str) -> str:

@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from eyas.speculate.runner import LeanRunner, make_runner
+from eyas.speculate.target_forward import LeanRunner, make_runner
 
 FP32_TIE = 1e-3  # relative: fp32 logits closer than this are a tie, either token the target's greedy choice
 ULPS = 4  # a bf16 (fp16) run's tolerance: logits within this many units in the last place of its dtype
@@ -77,7 +77,7 @@ def rescore(target, records, runner=None) -> None:
     if not bad:
         return
     replays = runner is not None and target.dtype != torch.float32
-    # a replay's lean runner adds its fused copies of the weights (eyas.speculate.runner: about 60% of them)
+    # a replay's lean runner adds its fused copies of the weights (eyas.speculate.target_forward: about 60% of them)
     fused = 0.6 if replays and isinstance(runner, LeanRunner) else 0.0
     model = target.model if target.dtype == torch.float32 else fp32_copy(target.model, fused)
     runner32 = None

@@ -20,38 +20,34 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
-import queue
-import shutil
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
 import torch
+from datasets import Dataset
 
 from eyas.core import dist
 from eyas.core.config import StageConfig, changed_settings, check, opt
-from eyas.core.engine import check_vllm, cpu_env, engine_model, vllm_python
 from eyas.core.errors import EyasError, disk_full
 from eyas.core.files import check_writable, read_json, write_json
-from eyas.core.log import console, fmt_bytes, fmt_duration, fmt_int
+from eyas.core.log import Console, console, fmt_bytes, fmt_duration, fmt_int
 from eyas.core.memory import tune_allocator
+from eyas.core.options import Dtype, device_opt, dtype_opt, target_opt
 from eyas.core.precision import FULL, SHORT, choose_dtype
-from eyas.core.target import DEFAULT_TARGET, load_target
+from eyas.core.target import Target, load_target
 from eyas.core.threads import Threads
 from eyas.core.weights import load_target_shell, read_module
 from eyas.data.prepared import open_prepared
-from eyas.store.engine import VllmEngine, engine_command, vllm_layer_ids
+from eyas.models.capture import Capture, check_layers, forward_batch
 from eyas.store.layout import SHARD_DIR, bytes_per_token, shard_name
+from eyas.store.shard_plan import HEADER_BYTES, free_bytes, plan_batches, plan_shards, plan_text, shard_indices
 from eyas.store.shards import shard_index
-from eyas.store.writer import ShardBuilder, check_coverage, write_manifest
+from eyas.store.vllm_states import engine_dtype, engine_features, open_engine
+from eyas.store.writer import BackgroundWriter, ShardBuilder, check_coverage, write_manifest
 
 SUMMARY_FILE = "summary.json"  # what the last run of extract did (rank 0 writes it when all is merged)
 SETTINGS_FILE = "extract.json"  # what a store was started with; a restart must match it
-HEADER_BYTES = 64 * 1024  # allowance per shard for its safetensors header (its own index)
-ENGINE_DIR = ".engine"  # STORE/.engine/rank-R/: the files of the engine eyas started, while they are read
 NO_SPACE_FIX = ("free space on that disk (or raise the limit) and rerun the same command: it keeps the finished "
                 "shards and writes only the missing ones")
 
@@ -61,10 +57,9 @@ class ExtractConfig(StageConfig):
     data: str = opt("runs/demo/prepared", "prepared dataset folder (written by eyas prepare)")
     split: str = opt("train", "which split of --data to extract")
     store: str = opt("runs/demo/store", "output store folder (resumes when it holds a partial run)")
-    target: str = opt(DEFAULT_TARGET, "target model: built-in name, HF folder or .gguf")
+    target: str = target_opt()
     layers: tuple[int, ...] = opt((), "HF hidden_states indices of the three features; empty = [2, L//2, L-3]")
-    dtype: Literal["auto", "bf16", "fp32", "fp16"] = opt("auto", "dtype of the target's forward pass (auto: bf16 where "
-                                                         "the device multiplies it in hardware, else fp32)")
+    dtype: Dtype = dtype_opt("the target's forward pass (and the store)")
     compact: bool = opt(False, "store fp8 e4m3 with per-row power-of-two scales (half the bytes; see docs/store.md)")
     attn: Literal["auto", "sdpa", "eager"] = opt("auto", "attention kernel; auto keeps the target's (sdpa). "
                                                  "eager makes results independent of batching and padding")
@@ -73,7 +68,7 @@ class ExtractConfig(StageConfig):
     min_shards: int = opt(64, "cut data smaller than this many --shard-mb into about this many shards, so that ranks "
                               "(which take shards round-robin) get equal shares")
     limit: int = opt(0, "extract only the first N samples of the split (0: all)")
-    device: str = opt("auto", "cpu, cuda, cuda:N or auto (cuda:LOCAL_RANK when CUDA is present)")
+    device: str = device_opt()
     threads: int = opt(0, "CPU threads per rank (0: the cores other work leaves free, shared by this node's ranks, "
                           "re-checked as it runs; an explicit OMP_NUM_THREADS also wins)")
     engine: Literal["local", "vllm"] = opt("local", "local: hooks on the target loaded here; vllm: a vLLM server runs "
@@ -88,7 +83,7 @@ class ExtractConfig(StageConfig):
     concurrency: int = opt(8, "vllm: samples in flight per engine (and at most this many engine files on disk)")
     dry_run: bool = opt(False, "print the plan and exit without writing anything")
 
-    def __post_init__(self):
+    def validate(self):
         check(bool(self.data), "--data is empty", "give the prepared dataset folder (eyas prepare --out)")
         check(bool(self.store), "--store is empty", "name the output store folder")
         check(len(self.layers) in (0, 3), f"--layers {list(self.layers)}: EAGLE-3 takes exactly three feature layers",
@@ -103,54 +98,6 @@ class ExtractConfig(StageConfig):
         check(self.concurrency >= 1, f"--concurrency {self.concurrency} must be >= 1", "use e.g. 8")
 
 
-# ---------------------------------------------------------------- the plan (pure functions)
-
-def shard_indices(n: int, rank: int, world: int) -> list[int]:
-    """The shards (of n) that global rank `rank` of `world` writes: k = rank, rank + world, ...
-
-    Round-robin, because shards are in length order: neighbours cost about the same, so ranks stay balanced.
-    """
-    if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} is outside a world of {world}")
-    return list(range(rank, n, world))
-
-
-MIN_SHARD_BYTES = 4 * 2**20
-
-
-def plan_shards(lengths: list[int], token_bytes: int, shard_bytes: int, min_shards: int = 1) -> list[list[int]]:
-    """Rows sorted by (length, row), cut into consecutive shards of at most shard_bytes, and of at most 1/min_shards
-    of the data (but not below MIN_SHARD_BYTES, where a file's own cost would show), so that data smaller than
-    min_shards shards is still cut into about min_shards of them (ranks take shards round-robin: a store of two
-    shards would leave one rank most of the work). >= 1 sample each."""
-    total = sum(lengths) * token_bytes
-    shard_bytes = min(shard_bytes, max(MIN_SHARD_BYTES, -(-total // max(1, min_shards))))
-    order = sorted(range(len(lengths)), key=lambda r: (lengths[r], r))
-    shards, cur, size = [], [], 0
-    for r in order:
-        b = lengths[r] * token_bytes
-        if cur and size + b > shard_bytes:
-            shards.append(cur)
-            cur, size = [], 0
-        cur.append(r)
-        size += b
-    return shards + ([cur] if cur else [])
-
-
-def plan_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
-    """Positions 0..n-1 (in length order) grouped so that batch size x longest <= batch_tokens (>= 1 each)."""
-    batches, cur, longest = [], [], 0
-    for p, n in enumerate(lengths):
-        if cur and (len(cur) + 1) * max(longest, n) > batch_tokens:
-            batches.append(cur)
-            cur, longest = [], 0
-        cur.append(p)
-        longest = max(longest, n)
-    return batches + ([cur] if cur else [])
-
-
-# ---------------------------------------------------------------- data and target
-
 def fetch_rows(ds, rows: list[int], where: str) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
     """(ids, input_ids [L] int64, loss_mask [L] int8) of some dataset rows, checked against num_tokens."""
     batch = ds[rows]
@@ -164,82 +111,6 @@ def fetch_rows(ds, rows: list[int], where: str) -> tuple[list[str], list[torch.T
         masks.append(torch.tensor(m, dtype=torch.int8))
     return ids, toks, masks
 
-
-class Capture:
-    """Forward hooks on the three feature layers and the final norm; `out` is [aux0, aux1, aux2, final], [B,T,H]."""
-
-    def __init__(self, target, layer_ids: list[int]):
-        layers = target.decoder_layers()
-        self.modules = [layers[i - 1] for i in layer_ids] + [target.final_norm()]
-        self.out: list[torch.Tensor | None] = [None] * 4
-        self.handles = []
-
-    def __enter__(self):
-        for j, m in enumerate(self.modules):
-            self.handles.append(m.register_forward_hook(self._hook(j)))
-        return self
-
-    def _hook(self, j: int):
-        def hook(module, args, output):
-            self.out[j] = output[0] if isinstance(output, tuple) else output
-        return hook
-
-    def __exit__(self, *exc):
-        for h in self.handles:
-            h.remove()
-
-
-def forward_batch(target, cap: Capture, toks: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Run the base model on right-padded ids; the four captured [B, T, H] tensors, on the CPU."""
-    T = max(len(t) for t in toks)
-    ids = torch.zeros(len(toks), T, dtype=torch.int64)  # pads are never attended to by real tokens
-    for b, t in enumerate(toks):
-        ids[b, : len(t)] = t
-    with torch.inference_mode():
-        target.model.model(input_ids=ids.to(target.device), use_cache=False)
-    return [o.cpu() for o in cap.out]
-
-
-def check_layers(layer_ids: list[int], num_layers: int) -> None:
-    bad = [i for i in layer_ids if not 1 <= i < num_layers]
-    if bad:
-        raise EyasError(f"feature layer(s) {bad} outside 1..{num_layers - 1} for a target with {num_layers} layers",
-                        fix="use HF hidden_states indices; the final (post-norm) state is stored anyway")
-
-
-# ---------------------------------------------------------------- the background writer
-
-class Writer:
-    """A thread that runs the copy/checksum/write jobs in order, so they overlap the next forward pass."""
-
-    def __init__(self, depth: int = 4):
-        self.q: queue.Queue = queue.Queue(maxsize=depth)
-        self.error: BaseException | None = None
-        self.bytes = 0
-        self.thread = threading.Thread(target=self._loop, name="eyas-writer", daemon=True)
-        self.thread.start()
-
-    def _loop(self) -> None:
-        while (job := self.q.get()) is not None:
-            if self.error is None:
-                try:
-                    job()
-                except BaseException as e:  # noqa: BLE001 - handed to the main thread, re-raised by put/close
-                    self.error = e
-
-    def put(self, job: Callable[[], None]) -> None:
-        if self.error is not None:
-            raise self.error
-        self.q.put(job)
-
-    def close(self) -> None:
-        self.q.put(None)
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-
-
-# ---------------------------------------------------------------- the run
 
 def run(cfg: ExtractConfig, *, target=None) -> dict:
     """Extract (or resume) the store; returns the summary.
@@ -274,6 +145,29 @@ def run(cfg: ExtractConfig, *, target=None) -> dict:
             dist.shutdown(finished)
 
 
+@dataclasses.dataclass(frozen=True)
+class Extraction:
+    """One extract run as every rank sees it: the settings, this process, the target, the data and the plan."""
+
+    cfg: ExtractConfig
+    env: dist.DistEnv
+    con: Console
+    target: Target  # loaded here, or its shell (config, final norm) when an engine runs it
+    ds: Dataset  # the prepared split
+    lengths: list[int]  # tokens of each sample extracted (the first --limit rows)
+    shards: list[list[int]]  # the plan: dataset rows of shard k (eyas.store.shard_plan)
+    layer_ids: list[int]  # HF hidden_states indices of the three features
+    cpu: Threads
+
+    @property
+    def store(self) -> Path:
+        return Path(self.cfg.store)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return bytes_per_token(self.target.hidden_size, self.cfg.compact)
+
+
 def _run(cfg: ExtractConfig, env, con, target, cpu: Threads) -> dict:
     t0 = time.perf_counter()
     prepared = open_prepared(cfg.data, cfg.split)
@@ -289,22 +183,21 @@ def _run(cfg: ExtractConfig, env, con, target, cpu: Threads) -> dict:
         target.model.set_attn_implementation(cfg.attn)
     layer_ids = list(cfg.layers) or target.default_feature_layers()
     check_layers(layer_ids, target.num_layers)
-    store = Path(cfg.store)
-    bpt = bytes_per_token(target.hidden_size, cfg.compact)
-    shards = plan_shards(lengths, bpt, int(cfg.shard_mb * 2**20), cfg.min_shards)
-    header = _store_header(cfg, target, layer_ids, fingerprint, n)
+    shards = plan_shards(lengths, bytes_per_token(target.hidden_size, cfg.compact), int(cfg.shard_mb * 2**20),
+                         cfg.min_shards)
+    job = Extraction(cfg, env, con, target, ds, lengths, shards, layer_ids, cpu)
+    store, header = job.store, _store_header(cfg, target, layer_ids, fingerprint, n)
     settings = {"header": header, "shard_mb": cfg.shard_mb, "min_shards": cfg.min_shards,
                 "batch_tokens": cfg.batch_tokens,
                 "attention": "vllm" if cfg.engine == "vllm" else target.model.config._attn_implementation}
     if cfg.engine != "local":  # a store is extracted by one engine: never states of two mixed
         settings["engine"] = cfg.engine
-    plan = _agree(env, lambda: _prepare_store(cfg, con, env, target, shards, lengths, settings, bpt))
+    plan = dist.agree(env, lambda: _prepare_store(job, settings))
     if cfg.dry_run:
         return plan
-    stats = _on_every_rank(env, lambda: _extract_mine(cfg, env, con, target, ds, shards, layer_ids, lengths,
-                                                      cpu))
+    stats = dist.on_every_rank(env, lambda: _extract_mine(job))
     tokens_run, samples_run = dist.all_reduce_sum([stats["tokens"], stats["samples"]], env)
-    totals = _agree(env, lambda: _merge(store, header, len(shards), n, env.world_size))
+    totals = dist.agree(env, lambda: _merge(store, header, len(shards), n, env.world_size))
     elapsed = time.perf_counter() - t0
     summary = {"store": str(store), **totals, "layer_ids": layer_ids, "compact": cfg.compact,
                "extracted_samples": int(samples_run), "extracted_tokens": int(tokens_run),
@@ -334,43 +227,6 @@ def forward_dtype(cfg: ExtractConfig, target) -> str:
     return str(target.dtype).removeprefix("torch.")
 
 
-def engine_dtype(cfg: ExtractConfig) -> torch.dtype:
-    """The dtype the engine runs in, and writes its states in."""
-    return getattr(torch, FULL[cfg.dtype])
-
-
-def _on_every_rank(env, fn: Callable[[], dict]) -> dict:
-    """Run fn on every rank, then tell every rank whether all succeeded (the barrier before the merge), so a
-    failing rank makes the others stop with its message instead of waiting for it until the timeout."""
-    err, result, exc = None, None, None
-    try:
-        result = fn()
-    except EyasError as e:
-        err = (f"rank {env.rank}: {e.what}", e.why, e.fix)
-    except Exception as e:  # noqa: BLE001 - re-raised below on this rank, with its traceback
-        exc, err = e, (f"rank {env.rank} failed: {type(e).__name__}: {e}", "", "see that rank's traceback")
-    errors = [e for e in dist.all_gather_objects(err, env) if e]
-    if exc is not None:
-        raise exc
-    if errors:
-        raise EyasError(*errors[0])
-    return result
-
-
-def _agree(env, fn: Callable[[], dict]) -> dict:
-    """Run fn on rank 0 and hand its result (or its EyasError) to every rank, so no rank waits on a dead one."""
-    result = None
-    if env.is_main:
-        try:
-            result = {"ok": fn()}
-        except EyasError as e:
-            result = {"error": (e.what, e.why, e.fix)}
-    result = dist.all_gather_objects(result, env)[0]
-    if "error" in result:
-        raise EyasError(*result["error"])
-    return result["ok"]
-
-
 def _completed(store: Path, shards: list[list[int]], ks) -> dict[int, dict]:
     """The finished shards among ks (their own indexes), refusing any that belongs to another plan."""
     done = {}
@@ -386,9 +242,10 @@ def _completed(store: Path, shards: list[list[int]], ks) -> dict[int, dict]:
     return done
 
 
-def _prepare_store(cfg, con, env, target, shards, lengths, settings, bpt) -> dict:
+def _prepare_store(job: Extraction, settings: dict) -> dict:
     """Rank 0: compare with an existing run's settings, print the plan, check the disk, create the folders."""
-    store = Path(cfg.store)
+    cfg, env, target, shards, lengths = job.cfg, job.env, job.target, job.shards, job.lengths
+    store, bpt = job.store, job.bytes_per_token
     old = store / SETTINGS_FILE
     if old.is_file():
         prev = read_json(old, f"use a new --store folder, or remove {old} if the store holds nothing you need")
@@ -419,7 +276,7 @@ def _prepare_store(cfg, con, env, target, shards, lengths, settings, bpt) -> dic
             "storage": "compact fp8 e4m3 + per-row scales" if cfg.compact else "bf16",
             "bytes": sum(shard_bytes), "todo_bytes": todo_bytes, "world": env.world_size,
             "free": free_bytes(store), "store": str(store)}
-    con.print(plan_text(plan))
+    job.con.print(plan_text(plan))
     if plan["free"] < todo_bytes:
         raise EyasError(f"not enough disk for {store}: it needs {fmt_bytes(todo_bytes)}, {fmt_bytes(plan['free'])} "
                         f"are free, {fmt_bytes(todo_bytes - plan['free'])} missing",
@@ -430,26 +287,25 @@ def _prepare_store(cfg, con, env, target, shards, lengths, settings, bpt) -> dic
     return plan
 
 
-def _extract_mine(cfg, env, con, target, ds, shards, layer_ids, lengths, cpu: Threads) -> dict:
+def _extract_mine(job: Extraction) -> dict:
     """Write this rank's unfinished shards, then the index of all its shards (STORE/index/rank-R-of-W.json)."""
-    store = Path(cfg.store)
+    env, shards, lengths, store = job.env, job.shards, job.lengths, job.store
     mine = shard_indices(len(shards), env.rank, env.world_size)
     done = _completed(store, shards, mine)
     for k in mine:  # temp files of a killed run: never visible, safe to drop (only this rank owns shard k)
         for tmp in (store / SHARD_DIR).glob(f".{shard_name(k)}.tmp-*"):
             tmp.unlink(missing_ok=True)
     todo = [k for k in mine if k not in done]
-    where = f"{cfg.data} [{cfg.split}]"
     total = sum(len(shards[k]) for k in todo)
     desc = "extract" + (f" (rank 0 of {env.world_size})" if env.distributed else "")
     # progress in tokens: samples are in length order, so a sample-based ETA would be far too optimistic
-    bar = con.progress(total=sum(lengths[r] for k in todo for r in shards[k]), desc=desc, unit="tok", unit_scale=True)
-    writer, indexes = Writer(), dict(done)
+    bar = job.con.progress(total=sum(lengths[r] for k in todo for r in shards[k]), desc=desc, unit="tok",
+                           unit_scale=True)
+    writer, indexes = BackgroundWriter(), dict(done)
     try:
         longest = max((lengths[r] for k in todo for r in shards[k]), default=0)
-        with feature_source(cfg, env, con, target, layer_ids, longest) as features:
-            tokens = _run_shards(cfg, target.hidden_size, ds, shards, todo, lengths, features, writer, indexes, bar,
-                                 where, cpu)
+        with feature_source(job, longest) as features:
+            tokens = _run_shards(job, todo, features, writer, indexes, bar)
     except BaseException:
         with contextlib.suppress(BaseException):  # the first error is the one to report
             writer.close()  # finishes what is queued (a shard is only committed once all of it was queued)
@@ -461,17 +317,18 @@ def _extract_mine(cfg, env, con, target, ds, shards, layer_ids, lengths, cpu: Th
     return {"tokens": tokens, "samples": total}
 
 
-def _run_shards(cfg, hidden, ds, shards, todo, lengths, features, writer, indexes, bar, where, cpu) -> int:
+def _run_shards(job: Extraction, todo: list[int], features, writer: BackgroundWriter, indexes: dict, bar) -> int:
     """The forward loop: batches of each unfinished shard through `features` (the target here, or an engine),
     their states to the writer; the free cores re-checked now and then (eyas.core.threads)."""
-    store, total, samples, tokens = Path(cfg.store), sum(len(shards[k]) for k in todo), 0, 0
-    bpt = bytes_per_token(hidden, cfg.compact)
+    cfg, shards, lengths, hidden, bpt = job.cfg, job.shards, job.lengths, job.target.hidden_size, job.bytes_per_token
+    where = f"{cfg.data} [{cfg.split}]"
+    store, total, samples, tokens = job.store, sum(len(shards[k]) for k in todo), 0, 0
     for k in todo:
         rows = shards[k]
         builder = ShardBuilder(shard_name(k), sum(lengths[r] for r in rows), hidden, cfg.compact)
         for batch in plan_batches([lengths[r] for r in rows], cfg.batch_tokens):
             brows = [rows[p] for p in batch]
-            ids, toks, masks = fetch_rows(ds, brows, where)
+            ids, toks, masks = fetch_rows(job.ds, brows, where)
             feats = features(toks)
             writer.put(_add_job(builder, brows, ids, toks, masks, feats))
             n_tok = sum(len(t) for t in toks)
@@ -479,26 +336,27 @@ def _run_shards(cfg, hidden, ds, shards, todo, lengths, features, writer, indexe
             bar.set_postfix_str(f"{fmt_int(samples)}/{fmt_int(total)} samples, {fmt_bytes(tokens * bpt)} "
                                 f"written ({fmt_bytes(writer.bytes)} in finished shards)", refresh=False)
             bar.update(n_tok)
-            if changed := cpu.recheck():
+            if changed := job.cpu.recheck():
                 bar.write(changed)
         writer.put(_commit_job(builder, store / SHARD_DIR, indexes, k, writer))
     return tokens
 
 
 @contextlib.contextmanager
-def feature_source(cfg, env, con, target, layer_ids: list[int], longest: int):
+def feature_source(job: Extraction, longest: int):
     """features(toks) -> [aux0, aux1, aux2, final], each indexable by sample ([B, T, H] or a list of [T, H]):
     hooks on the local target, or this rank's vLLM engine (started only when there is work: `longest` tokens in
     this rank's longest sample still to extract, 0 when none)."""
+    cfg, target = job.cfg, job.target
     if cfg.engine == "local":
-        with Capture(target, layer_ids) as cap:
+        with Capture(target, job.layer_ids) as cap:
             yield lambda toks: forward_batch(target, cap, toks)
         return
     if not longest:
         yield None
         return
     norm = read_module(target, target.final_norm()).to(engine_dtype(cfg))
-    engine = open_engine(cfg, env, con, target, layer_ids, longest)
+    engine = open_engine(cfg, job.env, job.con, target, job.layer_ids, longest)
     try:
         if engine.max_model_len and longest + 1 > engine.max_model_len:  # the prompt and the one token asked for
             raise EyasError(f"the engine's max_model_len {engine.max_model_len} is shorter than this rank's longest "
@@ -509,70 +367,14 @@ def feature_source(cfg, env, con, target, layer_ids: list[int], longest: int):
         engine.close()
 
 
-def open_engine(cfg, env, con, target, layer_ids: list[int], longest: int) -> VllmEngine:
-    """Attach to this rank's server (--engine-url), or start one whose files go to STORE/.engine/rank-R/."""
-    ids = vllm_layer_ids(layer_ids, target.num_layers)
-    if cfg.engine_url:
-        urls = [u.strip() for u in cfg.engine_url.split(",") if u.strip()]
-        con.print(f"engine: attached to {urls[env.rank % len(urls)]} (rank {env.rank})")
-        return VllmEngine.attach(urls[env.rank % len(urls)])
-    model, revision = engine_model(cfg.target)
-    python = vllm_python(cfg.engine_python)
-    version = check_vllm(python, extraction=True)
-    tmp = Path(cfg.store) / ENGINE_DIR / f"rank-{env.rank:05d}"
-    for leftover in (*tmp.glob("*.safetensors"), *tmp.glob("*.safetensors.lock")):  # a killed run's, never read
-        leftover.unlink(missing_ok=True)
-    log = Path(cfg.store) / "logs" / f"engine-rank-{env.rank:05d}.log"
-    extra = " ".join([f"--dtype {FULL[cfg.dtype]}", *revision])
-    if "--max-model-len" not in cfg.engine_args:
-        extra += f" --max-model-len {longest + 1}"  # the longest prompt, and the one token a completion asks for
-    extra += f" {cfg.engine_args}"
-    port = cfg.engine_port + env.local_rank
-    cpu, threads = cpu_env(env.local_world_size, python)
-    con.print(f"engine: starting vLLM {version} on port {port} (log {log}); by hand: "
-              f"{engine_command(python, model, ids, tmp, port, extra)}" + (f"\n{threads}" if threads else ""))
-    return VllmEngine.start(python, model, ids, tmp, log, port, extra, cfg.engine_startup_s,
-                            env={**cpu, **gpu_share(env)})
-
-
-def gpu_share(env) -> dict:
-    """CUDA_VISIBLE_DEVICES for this rank's engine: its slice of the node's GPUs (8 GPUs, 8 ranks: one each; 1
-    rank: all of them), unless the user chose them."""
-    if "CUDA_VISIBLE_DEVICES" in os.environ or not torch.cuda.is_available():
-        return {}
-    n, ranks = torch.cuda.device_count(), max(1, env.local_world_size)
-    per = max(1, n // ranks)
-    first = (env.local_rank * per) % n
-    return {"CUDA_VISIBLE_DEVICES": ",".join(str(first + i) for i in range(min(per, n - first)))}
-
-
-def engine_features(engine: VllmEngine, norm, toks: list[torch.Tensor], concurrency: int,
-                    hidden: int) -> list[list[torch.Tensor]]:
-    """The engine's [T, 4, H] states of each sample as [aux0, aux1, aux2, final] lists; the final state through
-    the target's own norm (the engine's is before it, the store's after it, as HF's hidden_states[L])."""
-    states = engine.many([t.tolist() for t in toks], concurrency)
-    out: list[list[torch.Tensor]] = [[], [], [], []]
-    with torch.inference_mode():
-        for s, t in zip(states, toks):
-            if tuple(s.shape) != (len(t), 4, hidden):
-                raise EyasError(f"the engine at {engine.url} sent states of shape {list(s.shape)} for a sample of "
-                                f"{len(t)} tokens; the target's would be [{len(t)}, 4, {hidden}]",
-                                "it runs another model, or other layer ids than eyas's",
-                                "serve the target eyas names with the ids it prints (or let eyas start it)")
-            for j in range(3):
-                out[j].append(s[:, j])
-            out[3].append(norm(s[:, 3].to(norm.weight.dtype)))
-    return out
-
-
 def _add_job(builder, rows, ids, toks, masks, feats):
-    def job():
+    def add():
         for b, (r, sid, t, m) in enumerate(zip(rows, ids, toks, masks)):
             builder.add(r, sid, t, m, [f[b] for f in feats[:3]], feats[3][b])
-    return job
+    return add
 
 
-def _commit_job(builder, folder: Path, indexes: dict, k: int, writer: Writer):
+def _commit_job(builder, folder: Path, indexes: dict, k: int, writer: BackgroundWriter):
     def job():
         try:
             indexes[k] = builder.commit(folder)
@@ -605,25 +407,3 @@ def _merge(store: Path, header: dict, n_shards: int, n_samples: int, world: int)
     return write_manifest(store, header, shards)
 
 
-def free_bytes(path: Path) -> int:
-    """Free bytes on the disk that holds `path` (its nearest existing parent)."""
-    p = path.resolve()
-    while not p.exists():
-        p = p.parent
-    return shutil.disk_usage(p).free
-
-
-def plan_text(p: dict) -> str:
-    """The plan block printed before any work starts."""
-    return "\n".join([
-        "extract plan",
-        (f"  target   {p['target']} ({p['num_layers']} layers, hidden {p['hidden']}), features {p['layers']} "
-         f"+ final norm, forward {p['dtype']} on {p['device']}"),
-        f"  data     {p['data']} [{p['split']}], fingerprint {str(p['fingerprint'])[:16]}",
-        (f"  samples  {fmt_int(p['samples'])} ({fmt_int(p['tokens'])} tokens) in {p['shards']} shards; already "
-         f"stored: {fmt_int(p['done_samples'])} samples in {p['done_shards']} shards"),
-        (f"  storage  {p['storage']}, {fmt_int(p['bpt'])} B/token (8H reference {fmt_int(8 * p['hidden'])}) -> "
-         f"{fmt_bytes(p['bytes'])}, {fmt_bytes(p['todo_bytes'])} still to write"),
-        f"  ranks    {p['world']} (shard k -> rank k mod {p['world']})",
-        f"  disk     {fmt_bytes(p['free'])} free at {p['store']}",
-    ])

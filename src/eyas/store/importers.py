@@ -30,7 +30,8 @@ from safetensors.torch import load_file
 from eyas.core.config import StageConfig, check, opt
 from eyas.core.errors import EyasError
 from eyas.core.log import console, fmt_bytes, fmt_duration, fmt_int
-from eyas.core.target import DEFAULT_TARGET, default_feature_layers
+from eyas.core.options import target_opt
+from eyas.core.target import default_feature_layers
 from eyas.core.weights import load_target_shell, read_module
 from eyas.data.prepared import open_prepared
 from eyas.store.layout import SHARD_DIR, bytes_per_token, shard_name
@@ -42,8 +43,8 @@ class StoreImportConfig(StageConfig):
     source: str = opt("", "folder of foreign hidden states (speculators/vLLM layout or SpecForge .ckpt files)",
                       positional=True)
     store: str = opt("", "output store folder (must be new or empty)")
-    target: str = opt(DEFAULT_TARGET, "the target that produced them: its identity is recorded, its final norm "
-                                      "completes vLLM's pre-norm last layer")
+    target: str = target_opt(role="the one that produced them: its identity is recorded, its final norm "
+                                  "completes vLLM's pre-norm last layer")
     layers: tuple[int, ...] = opt((), "HF hidden_states indices the producer captured; empty = [2, L//2, L-3]")
     layout: Literal["auto", "speculators", "specforge"] = opt("auto", "the source's layout")
     data: str = opt("", "prepared dataset to check token ids against (ids and loss masks are taken from it)")
@@ -54,7 +55,7 @@ class StoreImportConfig(StageConfig):
     shard_mb: float = opt(256.0, "target size of a shard file in MiB")
     skip_bad: bool = opt(False, "skip and count unreadable or mismatching samples instead of stopping")
 
-    def __post_init__(self):
+    def validate(self):
         check(bool(self.source), "no source folder given", "run eyas store import SRC --store DIR")
         check(bool(self.store), "--store is empty", "name the output store folder")
         check(len(self.layers) in (0, 3), f"--layers {list(self.layers)}: EAGLE-3 has three feature layers",

@@ -99,8 +99,9 @@ def matches(parts: Sequence, stored) -> bool:
 def checksum(parts: Sequence, algorithm: str = "xxh3") -> str:
     """The checksum of a sample's tensors, prefixed with its algorithm ("xxh3:..."; "" means blake2b, the first).
 
-    xxh3-128 runs at memory speed (about 50 GiB/s over data in cache, on one core) where blake2b runs at 1 GiB/s:
-    the reader checks each sample on its first read, and with blake2b that check cost more than the read."""
+    xxh3-128 runs at memory speed (about 24 GiB/s over bytes just copied, docs/extract.md) where blake2b is an order
+    of magnitude slower: the reader checks each sample on its first read, and with blake2b that check cost more
+    than the read."""
     h = xxhash.xxh3_128() if algorithm == "xxh3" else hashlib.blake2b(digest_size=16)
     for t in parts:  # tensors, or buffers of their bytes (StoreReader.read_into)
         h.update(t.contiguous().view(torch.uint8).numpy().data if isinstance(t, torch.Tensor) else t)

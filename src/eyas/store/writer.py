@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+import queue
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -104,3 +106,31 @@ def write_manifest(store: Path, header: dict, shards: list[dict]) -> dict:
     return totals
 
 
+class BackgroundWriter:
+    """A thread that runs the copy/checksum/write jobs in order, so they overlap the next forward pass."""
+
+    def __init__(self, depth: int = 4):
+        self.q: queue.Queue = queue.Queue(maxsize=depth)
+        self.error: BaseException | None = None
+        self.bytes = 0
+        self.thread = threading.Thread(target=self._loop, name="eyas-writer", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while (job := self.q.get()) is not None:
+            if self.error is None:
+                try:
+                    job()
+                except BaseException as e:  # noqa: BLE001 - handed to the main thread, re-raised by put/close
+                    self.error = e
+
+    def put(self, job: Callable[[], None]) -> None:
+        if self.error is not None:
+            raise self.error
+        self.q.put(job)
+
+    def close(self) -> None:
+        self.q.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error

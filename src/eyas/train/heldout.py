@@ -1,4 +1,5 @@
-"""Any draft's loss and accuracy on a hidden-state store, computed as training's validation pass computes them.
+"""Validation: the sums of training's validation pass (`validation_sums`), and any draft's loss and accuracy on a
+hidden-state store computed the same way (`held_out_accuracy`).
 
 Training validates on its `--val-store` at every epoch's end (eyas.train.trainer). `held_out_accuracy` gives the
 same figures for a draft that was trained elsewhere or saved mid-run (an imported speculators or SpecForge draft,
@@ -12,22 +13,25 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch import nn
 
+from eyas.core import dist
 from eyas.core.dist import DistEnv
 from eyas.core.errors import EyasError
 from eyas.core.weights import load_target_shell, read_module
 from eyas.draft.model import Eagle3Draft
-from eyas.train.data import load_micro_batch, open_store
-from eyas.train.engine import TTTObjective, resolve_dtype, validation_sums
+from eyas.train.batches import load_micro_batch, needed_rows, open_store, sparse_target_logp, valid_masks
+from eyas.train.objective import TTTObjective, autocast, resolve_dtype
+from eyas.train.parallelize import reshard
 from eyas.train.sharding import EpochShard, ShardSpec, shard_epoch
 
 
-def masked_batches(source, shard: EpochShard, prepare):
-    """The shard's micro-batches read from `source`, passed through `prepare` (to the device), with the loss mask of
+def masked_batches(source, shard: EpochShard, to_device):
+    """The shard's micro-batches read from `source`, passed through `to_device`, with the loss mask of
     the rows that only pad the last step zeroed: run, not counted."""
     for s, step in enumerate(shard.steps):
         for m, micro in enumerate(step):
-            b = prepare(load_micro_batch(source, micro))
+            b = to_device(load_micro_batch(source, micro))
             rows = [u for u in range(len(micro)) if (s, m, u) in shard.padded]
             if rows:
                 mask = b.loss_mask.clone()
@@ -74,3 +78,19 @@ def per_step(red: list[float], k: int) -> dict:
     """validation_sums' [loss sums..., correct..., counts...] as {"loss_i", "acc_i"}, means over counted positions."""
     n = [max(1.0, x) for x in red[2 * k:]]
     return {"loss_i": [red[i] / n[i] for i in range(k)], "acc_i": [red[k + i] / n[i] for i in range(k)]}
+
+
+@torch.no_grad()
+def validation_sums(model: nn.Module, batches, head_rows: torch.Tensor, t2d: torch.Tensor, ttt_steps: int, env,
+                    dtype: str) -> list[float]:
+    """The validation pass of the (wrapped) TTT objective `model` over this rank's prepared micro-batches:
+    [loss_sum_i..., correct_i..., count_i...] summed over ranks. Rows whose loss mask is zero are run, not counted."""
+    sums = torch.zeros(3, ttt_steps, dtype=torch.float64)
+    for b in batches:
+        with autocast(env.device, dtype):
+            valid = valid_masks(b.input_ids, b.loss_mask, b.doc_ids, t2d, ttt_steps)
+            logp, index = sparse_target_logp(b.final, head_rows, needed_rows(valid))
+            ls, c, n = model(b.input_ids, b.aux, logp, index, b.loss_mask, b.position_ids, b.doc_ids)
+        sums += torch.stack([ls.double().cpu(), c.double().cpu(), n.double().cpu()])
+    reshard(model)
+    return dist.all_reduce_sum(sums.flatten().tolist(), env)

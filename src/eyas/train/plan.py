@@ -31,6 +31,8 @@ from eyas.core.config import StageConfig, check, opt
 from eyas.core.errors import EyasError
 from eyas.core.files import read_json
 from eyas.core.log import Console, fmt_bytes, fmt_duration, fmt_int
+from eyas.core.options import Dtype, dtype_opt, target_opt
+from eyas.core.precision import FULL
 from eyas.data.prepared import open_prepared, read_summary
 
 # Bytes per element of the stored hidden states.
@@ -220,13 +222,14 @@ class PlanConfig(StageConfig):
     epochs: int = opt(EPOCHS, "epochs")
     drop_remainder: bool = opt(False, "drop what does not fill a whole global batch (default: pad with repeats)")
     steps_per_s: float = opt(0.0, "measured optimizer steps per second of one rank, for the ETA; 0 = no ETA")
-    target: str = opt("", "target name, model folder or .gguf, for its hidden size (or give --hidden-size)")
+    target: str = target_opt("", role="for its hidden size (or give --hidden-size)")
     hidden_size: int = opt(0, "the target's hidden size H, for the storage estimate")
     num_layers: int = opt(0, "the target's decoder layers, to show the default feature layers")
-    dtype: str = opt("bfloat16", "dtype the hidden states are stored in", choices=tuple(DTYPE_BYTES))
+    dtype: Dtype = dtype_opt("the extraction, which the hidden states are stored in", auto="bf16, what a GPU's auto "
+                             "extracts in")
     store: str = opt(".", "where the hidden-state store would go (its disk's free space is reported)")
 
-    def __post_init__(self):
+    def validate(self):
         for name, (lo, top) in LIMITS.items():  # first: a negative count is not a missing one
             v = getattr(self, name)
             check(lo <= v <= top, f"plan: --{name.replace('_', '-')} {v:,} is outside {lo:,}..{top:,}",
@@ -255,17 +258,18 @@ def _storage_lines(cfg: PlanConfig, tokens: int) -> tuple[list[str], dict | None
     if not (hidden and tokens):
         missing = "--tokens (or --data)" if not tokens else "--hidden-size or --target"
         return [f"storage: no estimate without {missing}", f"disk: {fmt_bytes(free)} free at {folder}"], {"disk": disk}
-    per_token, total = storage_bytes(tokens, hidden, cfg.dtype)
+    dtype = "bfloat16" if cfg.dtype == "auto" else FULL[cfg.dtype]  # what a GPU's extract --dtype auto stores
+    per_token, total = storage_bytes(tokens, hidden, dtype)
     feats = ""
     if layers >= 6:
         feats = f" (feature layers [2, {layers // 2}, {layers - 3}] of {layers})"
     fits = "enough" if free >= total else f"NOT enough: {fmt_bytes(total - free)} short"
     size = f"{total / 1e12:.2f} TB ({fmt_bytes(total)})" if total >= 1e10 else fmt_bytes(total)
     lines = [f"storage: {fmt_int(per_token)} B per token = (3 feature layers + final state) x H {fmt_int(hidden)} x "
-             f"{DTYPE_BYTES[cfg.dtype]} B {cfg.dtype}{feats}",
+             f"{DTYPE_BYTES[dtype]} B {dtype}{feats}",
              f"storage: {fmt_int(tokens)} tokens -> {size} of hidden states",
              f"disk: {fmt_bytes(free)} free at {folder} ({fits})"]
-    info = {"hidden_size": hidden, "num_layers": layers, "dtype": cfg.dtype, "bytes_per_token": per_token,
+    info = {"hidden_size": hidden, "num_layers": layers, "dtype": dtype, "bytes_per_token": per_token,
             "total_bytes": total, "disk": disk, "fits": free >= total}
     return lines, info
 

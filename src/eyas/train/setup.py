@@ -44,7 +44,7 @@ from eyas.draft.checkpoint import (
 from eyas.draft.model import DraftConfig, Eagle3Draft
 from eyas.draft.ttt import step_weights
 from eyas.draft.vocab import build_draft_vocab, count_tokens
-from eyas.train.data import (
+from eyas.train.batches import (
     PreparedSource,
     Subset,
     check_store_data,
@@ -52,17 +52,13 @@ from eyas.train.data import (
     open_store,
     split_holdout,
 )
-from eyas.train.engine import (
-    TTTObjective,
-    load_optimizer_state,
-    make_optimizer,
-    resolve_dtype,
-    wrap,
-)
 from eyas.train.heldout import store_feature_layers
+from eyas.train.objective import TTTObjective, resolve_dtype
+from eyas.train.optimizer import make_optimizer
+from eyas.train.parallelize import load_optimizer_state, wrap
 from eyas.train.plan import Plan, compute_plan
 from eyas.train.sharding import ShardSpec, epoch_units
-from eyas.train.state import Progress, ResumePoint
+from eyas.train.state import ResumePoint, TrainerState
 
 METRICS, VALIDATION = "metrics.jsonl", "validation.jsonl"
 
@@ -96,9 +92,7 @@ class TrainParts:
     plan: Plan  # the plan block (eyas.train.plan)
     plan_json: dict  # RUN/plan.json
     metrics: MetricsLog | NullMetrics  # rank 0 writes, the others do not
-    progress: Progress  # zero, or the checkpoint's
-    validation: dict | None  # the last validation figures (a resumed run's)
-    audits: dict  # epoch -> sharding audit (a resumed run's, from RUN/audit.json)
+    resumed: TrainerState | None  # the checkpoint's state when resuming (the Trainer's own state starts from it)
 
 
 def setup(cfg, env, con) -> TrainParts:
@@ -124,15 +118,17 @@ def setup(cfg, env, con) -> TrainParts:
                                                       (threads, threads_why), dtype, data_record)
     if env.is_main:
         write_json(out / "plan.json", plan_json)
-    progress, validation, audits = restored(ckpt, out, env)
+    if ckpt:  # last: the RNG as the interrupted run had it at that step, after every draw setup made
+        set_rng_state(ckpt.state.rng[env.rank])
+    start = ckpt.state.progress.step if ckpt else 0
     return TrainParts(
         out=out, threads=threads, cpu=cpu, dtype=dtype, train_src=train_src, val_src=val_src, data_record=data_record,
         layer_ids=layer_ids, target=target if cfg.online else None, vocab_info=vocab_info, draft_cfg=draft_cfg,
         model=model, params=[p for p in model.parameters() if p.requires_grad], optimizer=optimizer,
         head_rows=head_rows, t2d=draft.t2d, weights=step_weights(cfg.ttt_steps, cfg.step_decay), spec=spec,
         val_spec=val_spec, steps_per_epoch=steps, total_steps=total, warmup_steps=warmup, plan=plan,
-        plan_json=plan_json, metrics=MetricsLog(out, progress.step, cfg.tensorboard) if env.is_main else NullMetrics(),
-        progress=progress, validation=validation, audits=audits)
+        plan_json=plan_json, metrics=MetricsLog(out, start, cfg.tensorboard) if env.is_main else NullMetrics(),
+        resumed=ckpt.state if ckpt else None)
 
 
 def skipped_data(train_src, ckpt: ResumePoint | None, con) -> dict:
@@ -146,7 +142,7 @@ def skipped_data(train_src, ckpt: ResumePoint | None, con) -> dict:
         con.print(f"store: {fmt_int(skipped)} samples left out (--skip-bad-shards), those of {len(bad)} shard(s): "
                   + "; ".join(f"{n} {why}" for n, why in list(bad.items())[:3]) + (" ..." if len(bad) > 3 else ""),
                   force=True)
-    before = ckpt.state.get("data") if ckpt else None
+    before = ckpt.state.data if ckpt else None
     if before is not None and before != record:
         raise EyasError(f"cannot resume {ckpt.folder}: the training data changed since the run that wrote it "
                         f"({before['samples']:,} samples then, shards left out {before['skipped_shards'] or 'none'}; "
@@ -160,7 +156,7 @@ def skipped_data(train_src, ckpt: ResumePoint | None, con) -> dict:
 def tune_process(threads: int, env) -> Threads:
     """Threads per rank (eyas.core.threads: the free cores, re-checked as the run goes), and glibc told to keep
     freed memory (eyas.core.memory.tune_allocator: otherwise every step page-faults its large logit buffers in
-    again; measured here 2-3x slower casts and weight-gradient matmuls)."""
+    again, and the casts and weight-gradient matmuls slow down)."""
     tune_allocator()
     cpu = Threads(threads, env.local_world_size, env.device, env.local_rank)
     cpu.apply()
@@ -190,9 +186,10 @@ def resume_point(cfg, env, con, out: Path) -> ResumePoint | None:
         raise EyasError(f"rank {env.rank} cannot see the checkpoint {choice}",
                         "rank 0 chose it, but this node's file system does not have it",
                         "put --out on a file system every node shares")
-    ckpt = ResumePoint(Path(choice), *load_checkpoint(choice))
-    check_resumable(ckpt.folder, ckpt.state, cfg.to_dict(), env.world_size, defaults=type(cfg)().to_dict())
-    p = Progress.from_state(ckpt.state)
+    model_state, optimizer_state, state = load_checkpoint(choice)
+    check_resumable(Path(choice), state, cfg.to_dict(), env.world_size, defaults=type(cfg)().to_dict())
+    ckpt = ResumePoint(Path(choice), model_state, optimizer_state, TrainerState.from_dict(state))
+    p = ckpt.state.progress
     con.print(f"resume: {choice} (step {fmt_int(p.step)}, epoch {p.epoch + 1}, step {fmt_int(p.step_in_epoch)} "
               "within it)")
     return ckpt
@@ -242,7 +239,7 @@ def draft_vocab(cfg, env, target, train_src, ckpt: ResumePoint | None) -> tuple[
     rank counts the token ids (never the hidden states) of every world_size-th sample, the counts are summed
     over ranks, and every rank picks the same K from the same sums."""
     if ckpt:
-        info = {k: v for k, v in ckpt.state["vocab"].items() if k != "d2t"}
+        info = {k: v for k, v in ckpt.state.vocab.items() if k != "d2t"}
         return info, ckpt.model_state["d2t"]
     mine = range(env.rank, len(train_src), env.world_size)
     counts = dist.all_reduce_counts(count_tokens((train_src.token_ids(i) for i in mine), target.vocab_size), env)
@@ -331,15 +328,11 @@ def make_plan(cfg, env, con, train_src, spec: ShardSpec, vocab: dict, threads: t
     return steps, total, warmup, plan, plan_json
 
 
-def restored(ckpt: ResumePoint | None, out: Path, env) -> tuple[Progress, dict | None, dict]:
-    """(progress, last validation, audits so far): a new run's, or the checkpoint's (and this rank's RNG state)."""
-    if not ckpt:
-        return Progress(), None, {}
-    set_rng_state(ckpt.state["rng"][env.rank])
+def audits_so_far(out: Path) -> dict:
+    """epoch -> sharding audit, as RUN/audit.json holds them (a resumed run goes on adding to them)."""
     audit_file = out / "audit.json"
     fix = "restore RUN/audit.json as the run left it, or start a new run in another --out folder"
-    audits = read_json(audit_file, fix).get("epochs", {}) if audit_file.is_file() else {}
-    return Progress.from_state(ckpt.state), ckpt.state.get("training", {}).get("validation"), audits
+    return read_json(audit_file, fix).get("epochs", {}) if audit_file.is_file() else {}
 
 
 class MetricsLog:

@@ -1,7 +1,8 @@
 """What a training run carries from one process to the next: its progress, and the checkpoint it resumes from.
 
-`Progress` is written into every checkpoint's trainer_state.json (`to_state`) and read back on resume
-(`from_state`): one definition of the keys, used by both. `ResumePoint` is a loaded checkpoint, by name.
+`TrainerState` is what a checkpoint's trainer_state.json holds besides the weights and the optimizer: the trainer
+writes it with `to_dict` and a resumed run reads it with `from_dict`, one definition of the keys used by both
+(`Progress` is its position in the data). `ResumePoint` is a loaded checkpoint, by name.
 """
 
 from __future__ import annotations
@@ -11,15 +12,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-
-
-class ResumePoint(NamedTuple):
-    """A complete checkpoint, loaded (eyas.draft.checkpoint.load_checkpoint) and checked resumable."""
-
-    folder: Path
-    model_state: dict[str, torch.Tensor]  # keyed like Eagle3Draft.state_dict()
-    optimizer_state: dict  # the full (unsharded) optimizer state dict
-    state: dict  # trainer_state.json: Progress.to_state() plus world size, config, RNG, vocabulary, data, training
 
 
 @dataclasses.dataclass
@@ -47,3 +39,39 @@ class Progress:
         values = {name: state[key] for name, key in cls.KEYS.items() if key in state}
         values["elapsed_s"] = float(values.get("elapsed_s", 0.0))
         return cls(**values)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerState:
+    """A checkpoint's trainer_state.json (eyas.draft.checkpoint adds its format, optimizer layout and checksum)."""
+
+    progress: Progress  # where the run was
+    world_size: int  # ranks of the run that wrote it (a resume must have as many)
+    config: dict  # its TrainConfig, as a dict (eyas.draft.checkpoint.check_resumable compares it)
+    rng: list  # each rank's RNG states (eyas.draft.checkpoint.rng_state), by rank
+    vocab: dict  # the draft vocabulary's size, coverage and distinct ids seen
+    training: dict  # the training summary so far (its "validation": the last validation's figures)
+    data: dict  # samples, skipped samples and shards of the training data (setup's data record)
+
+    def to_dict(self) -> dict:
+        return {**self.progress.to_state(), "world_size": self.world_size, "config": self.config, "rng": self.rng,
+                "vocab": self.vocab, "training": self.training, "data": self.data}
+
+    @classmethod
+    def from_dict(cls, state: dict) -> TrainerState:
+        return cls(progress=Progress.from_state(state), world_size=int(state["world_size"]),
+                   config=state.get("config", {}), rng=state["rng"], vocab=state["vocab"],
+                   training=state.get("training", {}), data=state.get("data"))
+
+    @property
+    def validation(self) -> dict | None:
+        return self.training.get("validation")
+
+
+class ResumePoint(NamedTuple):
+    """A complete checkpoint, loaded (eyas.draft.checkpoint.load_checkpoint) and checked resumable."""
+
+    folder: Path
+    model_state: dict[str, torch.Tensor]  # keyed like Eagle3Draft.state_dict()
+    optimizer_state: dict  # the full (unsharded) optimizer state dict
+    state: TrainerState

@@ -6,27 +6,24 @@
 Before the first step rank 0 prints the sharding audit (`data: ... disjoint: yes`, from every rank's actual
 sample ids) and the plan block (`eyas.train.plan`), then one progress bar; `RUN/metrics.jsonl` gets one JSON object
 per optimizer step. The loop below reads like the algorithm; the pieces live in eyas.train.sharding (who trains on
-what), eyas.train.data (batches), eyas.train.engine (model wrapping, optimizer, schedule) and
-eyas.draft.checkpoint (exact resumption).
+what), eyas.train.batches (batches), eyas.train.objective (the loss), eyas.train.parallelize (DDP, FSDP2),
+eyas.train.optimizer (AdamW and its schedule) and eyas.draft.checkpoint (exact resumption).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import time
 
 import torch
 
 from eyas.core import dist
-from eyas.core.config import StageConfig, check, opt
 from eyas.core.errors import EyasError, disk_full
 from eyas.core.files import write_json
 from eyas.core.log import console, fmt_duration, fmt_int
-from eyas.core.target import DEFAULT_TARGET
 from eyas.draft.checkpoint import rng_state, save_checkpoint, save_draft
 from eyas.draft.model import Eagle3Draft
-from eyas.train.data import (
+from eyas.train.batches import (
     Prefetcher,
     capture_features,
     load_micro_batch,
@@ -34,105 +31,17 @@ from eyas.train.data import (
     sparse_target_logp,
     valid_masks,
 )
-from eyas.train.engine import (
-    autocast,
-    draft_of,
-    full_model_state,
-    full_optimizer_state,
-    lr_at,
-    no_sync,
-    validation_sums,
-)
-from eyas.train.heldout import masked_batches, per_step
-from eyas.train.plan import EPOCHS, GRAD_ACCUM, MICRO_BATCH, compute_plan
-from eyas.train.setup import TrainParts, setup
+from eyas.train.heldout import masked_batches, per_step, validation_sums
+from eyas.train.objective import autocast
+from eyas.train.optimizer import lr_at
+from eyas.train.parallelize import draft_of, full_model_state, full_optimizer_state, no_sync
+from eyas.train.plan import compute_plan
+from eyas.train.settings import TrainConfig
+from eyas.train.setup import TrainParts, audits_so_far, setup
 from eyas.train.sharding import audit, shard_epoch
-from eyas.train.state import Progress
+from eyas.train.state import Progress, TrainerState
 
 SUMMARY_FILE = "summary.json"  # in --out: what the run did (rank 0 writes it last, after the final draft)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TrainConfig(StageConfig):
-    """Settings of `eyas train` (every flag of the command line is one field here)."""
-
-    store: str = opt("runs/demo/store", "hidden-state store to train on (written by eyas extract)")
-    target: str = opt(DEFAULT_TARGET, "the target the store was extracted from: embeddings, output head, identity")
-    out: str = opt("runs/demo/draft", "run folder: metrics.jsonl, plan.json, audit.json, checkpoints/, final/")
-    online: bool = opt(False, "run the target in the loop to compute the features (no store; needs --data)")
-    data: str = opt("", "prepared dataset folder: the samples for --online; with --store, the dataset the store "
-                        "must have been extracted from (checked)")
-    skip_bad_shards: bool = opt(False, "leave out (and count) the samples of store shards that are missing or "
-                                       "truncated, instead of stopping")
-    val_store: str = opt("", "hidden-state store for the validation pass; empty: hold out --val-fraction")
-    val_fraction: float = opt(0.0, "share of the training samples held out for validation (without --val-store)")
-    data_fraction: float = opt(1.0, "train on this seeded share of the training samples (after any hold-out); "
-                                    "a smaller share's samples are within a larger one's (data-scaling curves)")
-    epochs: int = opt(EPOCHS, "passes over the training data")
-    max_steps: int = opt(0, "stop after this many optimizer steps (0 = all epochs); the LR schedule spans them")
-    micro_batch: int = opt(MICRO_BATCH, "samples (or packed sequences) per micro-batch, per rank")
-    grad_accum: int = opt(GRAD_ACCUM, "micro-batches per optimizer step, per rank")
-    max_tokens: int = opt(0, "pack samples into sequences of at most this many tokens (0 = one sample per row)")
-    drop_remainder: bool = opt(False, "drop what does not fill a whole global batch (default: pad with repeats)")
-    group_window: int = opt(32, "sort the samples of this many optimizer steps by length, so a micro-batch holds "
-                                "similar lengths; the steps' order stays shuffled (0 = off)")
-    lr: float = opt(1e-4, "peak learning rate (AdamW)")
-    warmup_ratio: float = opt(0.02, "share of the optimizer steps spent warming the learning rate up")
-    min_lr_ratio: float = opt(0.1, "the cosine ends at this share of the peak learning rate")
-    weight_decay: float = opt(0.0, "AdamW weight decay")
-    grad_clip: float = opt(0.5, "clip the gradient's global norm to this (0 = off)")
-    ttt_steps: int = opt(7, "training-time test: draft steps unrolled on its own outputs")
-    step_decay: float = opt(0.8, "weight of TTT step i's loss: decay**i")
-    draft_vocab: int = opt(32000, "draft vocabulary size (capped at the target's vocabulary)")
-    num_layers: int = opt(1, "draft decoder layers")
-    freeze_head: bool = opt(False, "keep the draft's lm_head at the target's rows (fewer trainable parameters)")
-    init_from_target: bool = opt(False, "start the draft layer from the target's last decoder layer instead of "
-                                        "random weights (its q/k/v on the hidden half of the input)")
-    fc_norm: bool = opt(False, "RMS-normalise each of the three target features before the draft's fc layer "
-                               "(EAGLE-3.1; exported as vLLM's fc_norm)")
-    feature_noise: float = opt(0.0, "add Gaussian noise of this standard deviation to the target's features the "
-                                    "draft reads, in training only (speculators uses 0.05; 0 = off)")
-    dtype: str = opt("auto", "compute dtype: bf16 autocast, fp32, or auto (bf16 where the hardware has it)",
-                     choices=("auto", "bf16", "fp32"))
-    parallel: str = opt("ddp", "data parallelism over ranks: ddp, or fsdp (FSDP2 fully_shard)", choices=("ddp", "fsdp"))
-    device: str = opt("auto", "auto (cuda:<local rank> if present, else cpu), cpu, cuda:N")
-    threads: int = opt(0, "CPU threads per rank (0 = the cores divided among the ranks of this node)")
-    seed: int = opt(0, "seed of the weights' initialisation and of the data order")
-    shuffle: bool = opt(True, "reshuffle the data every epoch")
-    shard_data: bool = opt(True, "give every rank its own share of each epoch (off: every rank reads everything, "
-                                 "which the audit refuses)")
-    allow_duplicate_data: bool = opt(False, "train even if the sharding audit fails (experiments; every log line "
-                                            "then says so)")
-    checkpoint_every: int = opt(0, "write a checkpoint every N optimizer steps (0 = only at the end of each epoch)")
-    keep_checkpoints: int = opt(3, "keep the newest K checkpoints")
-    resume: bool = opt(False, "continue from the newest checkpoint in OUT/checkpoints (same settings and ranks)")
-    tensorboard: bool = opt(False, "also log to OUT/tensorboard (needs the tensorboard package)")
-    prefetch: int = opt(4, "micro-batches prepared ahead on a background thread")
-
-    def __post_init__(self):
-        for name in ("epochs", "micro_batch", "grad_accum", "ttt_steps", "draft_vocab", "num_layers", "prefetch"):
-            v = getattr(self, name)
-            check(v >= 1, f"train: --{name.replace('_', '-')} {v} must be >= 1", "give a whole number >= 1")
-        for name in ("max_steps", "max_tokens", "group_window", "checkpoint_every", "keep_checkpoints", "threads"):
-            v = getattr(self, name)
-            check(v >= 0, f"train: --{name.replace('_', '-')} {v} must be >= 0", "give 0 or a positive number")
-        check(self.lr > 0, f"train: --lr {self.lr} must be positive", "give e.g. --lr 1e-4")
-        check(0 <= self.warmup_ratio < 1, f"train: --warmup-ratio {self.warmup_ratio} outside [0, 1)", "e.g. 0.02")
-        check(0 <= self.min_lr_ratio <= 1, f"train: --min-lr-ratio {self.min_lr_ratio} outside [0, 1]", "e.g. 0.1")
-        check(0 <= self.val_fraction < 1, f"train: --val-fraction {self.val_fraction} outside [0, 1)", "e.g. 0.05")
-        check(0 < self.data_fraction <= 1, f"train: --data-fraction {self.data_fraction} outside (0, 1]",
-              "e.g. 0.25 for a quarter of the samples")
-        check(0 < self.step_decay <= 1, f"train: --step-decay {self.step_decay} outside (0, 1]", "EAGLE-3 uses 0.8")
-        check(self.feature_noise >= 0, f"train: --feature-noise {self.feature_noise} is negative",
-              "give 0 (off) or a standard deviation such as 0.05")
-        check(self.grad_clip >= 0, f"train: --grad-clip {self.grad_clip} is negative", "give 0 (off) or e.g. 0.5")
-        check(not self.online or bool(self.data), "train: --online needs the prepared dataset (--data DIR)",
-              "pass --data DIR, the folder eyas prepare wrote")
-        check(not (self.online and self.val_store), "train: --val-store does not go with --online",
-              "online training validates on DIR/validation of --data")
-        check(not self.tensorboard or importlib.util.find_spec("tensorboard") is not None,
-              "train: --tensorboard needs the tensorboard package, which is not installed",
-              "pip install tensorboard, or drop --tensorboard (metrics.jsonl has the same figures)")
 
 
 @dataclasses.dataclass
@@ -157,9 +66,10 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, env: dist.DistEnv, con):
         self.cfg, self.env, self.con = cfg, env, con
         self.parts: TrainParts = setup(cfg, env, con)  # sources, target, vocabulary, model, optimizer, plan, resume
-        self.progress: Progress = self.parts.progress
-        self.val: dict | None = self.parts.validation  # the last validation figures
-        self.audits: dict = self.parts.audits  # epoch -> sharding audit, as in RUN/audit.json
+        resumed = self.parts.resumed  # a checkpoint's TrainerState, or None for a new run
+        self.progress: Progress = dataclasses.replace(resumed.progress) if resumed else Progress()
+        self.val: dict | None = resumed.validation if resumed else None  # the last validation figures
+        self.audits: dict = audits_so_far(self.parts.out) if resumed else {}  # epoch -> sharding audit (audit.json)
         self.tag = ""  # "[DUPLICATE DATA] " on every line once an audit failed under --allow-duplicate-data
         self.t2d_host = self.parts.t2d.cpu()  # [V] the draft vocabulary on the host: counts without a device sync
         self.bar = None  # the progress bar while the loop runs
@@ -237,7 +147,7 @@ class Trainer:
         valid = [valid_masks(b.input_ids, b.loss_mask, b.doc_ids, self.t2d_host, k) for b in window]  # [k,B,T]
         local = torch.stack([v.sum((1, 2)) for v in valid]).sum(0).tolist()
         totals = dist.all_reduce_sum(local + [sum(b.samples for b in window), sum(b.tokens for b in window)], env)
-        batches = [self.noisy(self.prepare(b), j) for j, b in enumerate(window)]
+        batches = [self.noisy(self.to_device(b), j) for j, b in enumerate(window)]
         valid = [v.to(env.device, non_blocking=True) for v in valid]
         counts = torch.tensor(totals[:k], dtype=torch.float32)
         scale = (p.weights / counts.clamp(min=1) * env.world_size).to(env.device)  # [k]
@@ -269,7 +179,7 @@ class Trainer:
         return StepStats(loss, loss_i, acc_i, [int(c) for c in totals[:k]], int(totals[k]), int(totals[k + 1]), lr,
                          grad_norm, time.perf_counter() - t0)
 
-    def prepare(self, batch):
+    def to_device(self, batch):
         """To the device (features in the compute dtype); online: the target computes the features here."""
         feat = torch.float32 if self.parts.dtype == "fp32" else torch.bfloat16
         batch = batch.to(self.env.device, feat)
@@ -360,7 +270,7 @@ class Trainer:
         self.save()
 
     def validate(self, epoch: int) -> dict | None:
-        """The validation pass (eyas.train.engine.validation_sums): loss and acc per TTT step, global."""
+        """The validation pass (eyas.train.heldout.validation_sums): loss and acc per TTT step, global."""
         p, k = self.parts, self.cfg.ttt_steps
         if p.val_src is None:
             return None
@@ -376,7 +286,8 @@ class Trainer:
         """This rank's validation micro-batches, prepared; the rows that only pad the last step (every rank makes
         the same calls, as FSDP needs) have their loss mask zeroed, so they are run but not counted."""
         p = self.parts
-        yield from masked_batches(p.val_src, shard_epoch(p.val_src.lengths, 0, self.env.rank, p.val_spec), self.prepare)
+        shard = shard_epoch(p.val_src.lengths, 0, self.env.rank, p.val_spec)
+        yield from masked_batches(p.val_src, shard, self.to_device)
 
     # -- sharding audit, checkpoints, the end ------------------------------------------------------------------------
     def audited_shard(self, epoch: int, first: bool):
@@ -413,11 +324,10 @@ class Trainer:
         draft = self.full_draft()
         rngs = dist.all_gather_objects(rng_state(), self.env)
         if self.env.is_main:
-            state = {**dataclasses.replace(g, elapsed_s=self.elapsed()).to_state(),
-                     "world_size": self.env.world_size, "config": self.cfg.to_dict(), "rng": rngs,
-                     "scheduler": {"step": g.step, "total": p.total_steps, "warmup": p.warmup_steps},
-                     "vocab": p.vocab_info, "training": self.training_summary(), "data": p.data_record}
-            save_checkpoint(p.out, g.step, draft, optim, state, self.cfg.keep_checkpoints)
+            state = TrainerState(progress=dataclasses.replace(g, elapsed_s=self.elapsed()),
+                                 world_size=self.env.world_size, config=self.cfg.to_dict(), rng=rngs,
+                                 vocab=p.vocab_info, training=self.training_summary(), data=p.data_record)
+            save_checkpoint(p.out, g.step, draft, optim, state.to_dict(), self.cfg.keep_checkpoints)
         dist.barrier(self.env)
 
     def full_draft(self):

@@ -16,7 +16,7 @@ from eyas.store.reader import StoreReader, check_tokens
 class StoreInfoConfig(StageConfig):
     store: str = opt("", "the store folder", positional=True)
 
-    def __post_init__(self):
+    def validate(self):
         check(bool(self.store), "no store given", "run eyas store info DIR")
 
 
@@ -27,7 +27,7 @@ class StoreVerifyConfig(StageConfig):
     split: str = opt("train", "split of --data")
     max_problems: int = opt(20, "how many problems to list in the error message")
 
-    def __post_init__(self):
+    def validate(self):
         check(bool(self.store), "no store given", "run eyas store verify DIR")
         check(self.max_problems >= 1, f"--max-problems {self.max_problems} must be >= 1", "use e.g. 20")
 

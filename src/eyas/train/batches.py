@@ -29,7 +29,7 @@ from eyas.core.errors import EyasError
 from eyas.data.prepared import open_prepared
 from eyas.draft.cross_entropy import TargetRows
 from eyas.draft.ttt import shift_left
-from eyas.store.extract import Capture
+from eyas.models.capture import Capture
 from eyas.store.layout import features
 from eyas.store.reader import StoreReader, check_tokens
 
@@ -337,7 +337,7 @@ def sparse_target_logp(final: torch.Tensor, head_rows: torch.Tensor, need: torch
 def capture_features(target, layer_ids: tuple[int, ...], batch: Batch) -> Batch:
     """Run the target on every sample of the batch (separately, so packed samples never attend to each other)
     and fill `aux` [B,T,3H] (HF hidden_states at `layer_ids`, low|mid|high) and `final` [B,T,H] (after the last
-    norm), with the extraction's own forward hooks (eyas.store.extract.Capture); the output head is never run."""
+    norm), with the extraction's own forward hooks (eyas.models.capture.Capture); the output head is never run."""
 
     B, T = batch.input_ids.shape
     H, dev = target.hidden_size, target.device

@@ -23,7 +23,7 @@ import torch
 
 from eyas.core.files import write_json
 from eyas.speculate.decode import acceptance_stats
-from eyas.speculate.runner import effective_latency
+from eyas.speculate.target_forward import effective_latency
 
 
 def _tps(recs) -> float | None:

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from eyas.core.errors import EyasError
-from eyas.core.generate import FEW_ROWS, few_rows_linear, fuse_projections, layer_forward, supports
+from eyas.models.llama import FEW_ROWS, few_rows_linear, fuse_projections, layer_forward, supports
 
 LINEARS = {"torch": F.linear, "few-rows": few_rows_linear}
 LINEAR_MARGIN = 0.1  # few_rows_linear is chosen only when it measured at least this much faster

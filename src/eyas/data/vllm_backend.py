@@ -1,5 +1,5 @@
 """`eyas regenerate --engine vllm`: the target answers through a vLLM server eyas starts for the run and stops
-after it (eyas.core.engine: its own environment, its start-up shown, its log kept beside the output).
+after it (eyas.core.vllm_server: its own environment, its start-up shown, its log kept beside the output).
 
 On this two-core CPU vLLM's CPU build makes more tokens per second than eyas's own decoder (docs/regenerate.md,
 measured side by side), and on GPUs it is what a user would run anyway. Each prompt is rendered here with the
@@ -14,7 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from eyas.core.engine import (
+from eyas.core.target import load_tokenizer
+from eyas.core.vllm_server import (
     Server,
     check_vllm,
     cpu_env,
@@ -23,7 +24,6 @@ from eyas.core.engine import (
     server_argv,
     vllm_python,
 )
-from eyas.core.target import load_tokenizer
 from eyas.data.chat import ChatRenderer
 from eyas.data.replies import Reply, prompt_limit, too_long
 from eyas.data.server import Retryable, ServerBackend, ServerSettings

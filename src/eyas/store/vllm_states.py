@@ -32,10 +32,12 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from eyas.core.engine import Server, server_argv
 from eyas.core.errors import EyasError
+from eyas.core.precision import FULL
+from eyas.core.vllm_server import Server, check_vllm, cpu_env, engine_model, server_argv, vllm_python
 
 PLUGINS = Path(__file__).resolve().parent / "engine_plugins"  # put on the engine's PYTHONPATH
+ENGINE_DIR = ".engine"  # STORE/.engine/rank-R/: the files of the engine eyas started, while they are read
 CONNECTOR = "EyasHiddenStatesConnector"  # engine_plugins/eyas_vllm_connector.py: vLLM's, with a CPU write path
 
 
@@ -76,7 +78,7 @@ class VllmEngine:
     def start(cls, python: str, model: str, layer_ids: list[int], tmp: Path, log: Path, port: int,
               extra: str = "", startup_s: float = 1800.0, timeout: float = 600.0,
               env: dict | None = None) -> VllmEngine:
-        """Start the server (eyas.core.engine.Server.start) with the connector's plugin on its PYTHONPATH."""
+        """Start the server (eyas.core.vllm_server.Server.start) with the connector's plugin on its PYTHONPATH."""
         env = {**(env or {}),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))}
         return cls(Server.start(server_argv(python, model, port, engine_args(layer_ids, tmp, extra)), tmp, log, port,
@@ -146,3 +148,64 @@ def read_states(path: Path) -> dict[str, torch.Tensor]:
 def remove_states(path: Path) -> None:
     for p in (path, Path(str(path) + ".lock")):
         p.unlink(missing_ok=True)
+
+
+def engine_dtype(cfg) -> torch.dtype:
+    """The dtype the engine runs in, and writes its states in."""
+    return getattr(torch, FULL[cfg.dtype])
+
+
+def open_engine(cfg, env, con, target, layer_ids: list[int], longest: int) -> VllmEngine:
+    """Attach to this rank's server (--engine-url), or start one whose files go to STORE/.engine/rank-R/."""
+    ids = vllm_layer_ids(layer_ids, target.num_layers)
+    if cfg.engine_url:
+        urls = [u.strip() for u in cfg.engine_url.split(",") if u.strip()]
+        con.print(f"engine: attached to {urls[env.rank % len(urls)]} (rank {env.rank})")
+        return VllmEngine.attach(urls[env.rank % len(urls)])
+    model, revision = engine_model(cfg.target)
+    python = vllm_python(cfg.engine_python)
+    version = check_vllm(python, extraction=True)
+    tmp = Path(cfg.store) / ENGINE_DIR / f"rank-{env.rank:05d}"
+    for leftover in (*tmp.glob("*.safetensors"), *tmp.glob("*.safetensors.lock")):  # a killed run's, never read
+        leftover.unlink(missing_ok=True)
+    log = Path(cfg.store) / "logs" / f"engine-rank-{env.rank:05d}.log"
+    extra = " ".join([f"--dtype {FULL[cfg.dtype]}", *revision])
+    if "--max-model-len" not in cfg.engine_args:
+        extra += f" --max-model-len {longest + 1}"  # the longest prompt, and the one token a completion asks for
+    extra += f" {cfg.engine_args}"
+    port = cfg.engine_port + env.local_rank
+    cpu, threads = cpu_env(env.local_world_size, python)
+    con.print(f"engine: starting vLLM {version} on port {port} (log {log}); by hand: "
+              f"{engine_command(python, model, ids, tmp, port, extra)}" + (f"\n{threads}" if threads else ""))
+    return VllmEngine.start(python, model, ids, tmp, log, port, extra, cfg.engine_startup_s,
+                            env={**cpu, **gpu_share(env)})
+
+
+def gpu_share(env) -> dict:
+    """CUDA_VISIBLE_DEVICES for this rank's engine: its slice of the node's GPUs (8 GPUs, 8 ranks: one each; 1
+    rank: all of them), unless the user chose them."""
+    if "CUDA_VISIBLE_DEVICES" in os.environ or not torch.cuda.is_available():
+        return {}
+    n, ranks = torch.cuda.device_count(), max(1, env.local_world_size)
+    per = max(1, n // ranks)
+    first = (env.local_rank * per) % n
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(first + i) for i in range(min(per, n - first)))}
+
+
+def engine_features(engine: VllmEngine, norm, toks: list[torch.Tensor], concurrency: int,
+                    hidden: int) -> list[list[torch.Tensor]]:
+    """The engine's [T, 4, H] states of each sample as [aux0, aux1, aux2, final] lists; the final state through
+    the target's own norm (the engine's is before it, the store's after it, as HF's hidden_states[L])."""
+    states = engine.many([t.tolist() for t in toks], concurrency)
+    out: list[list[torch.Tensor]] = [[], [], [], []]
+    with torch.inference_mode():
+        for s, t in zip(states, toks):
+            if tuple(s.shape) != (len(t), 4, hidden):
+                raise EyasError(f"the engine at {engine.url} sent states of shape {list(s.shape)} for a sample of "
+                                f"{len(t)} tokens; the target's would be [{len(t)}, 4, {hidden}]",
+                                "it runs another model, or other layer ids than eyas's",
+                                "serve the target eyas names with the ids it prints (or let eyas start it)")
+            for j in range(3):
+                out[j].append(s[:, j])
+            out[3].append(norm(s[:, 3].to(norm.weight.dtype)))
+    return out

@@ -23,9 +23,9 @@ from eyas.core.errors import EyasError
 from eyas.core.files import move_aside, read_json, write_json
 from eyas.core.log import Console, fmt_duration
 from eyas.core.threads import OMP_DEFAULTED
-from eyas.data.engine import SharedEngine
+from eyas.data.vllm_backend import SharedEngine
 from eyas.doctor.diagnose import crash_cause
-from eyas.pipeline.commands import load_stage
+from eyas.pipeline.registry import load_stage
 from eyas.store.extract import SUMMARY_FILE as EXTRACT_SUMMARY
 from eyas.train.trainer import SUMMARY_FILE as TRAIN_SUMMARY
 
