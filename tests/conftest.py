@@ -2,11 +2,37 @@
 
 import os
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# A user's clone has nothing beside it: no test may read the workplace's ../shared folder, nor be pointed at it.
+# EYAS_SHARED_DATA is dropped (child processes inherit that), and any open() of a file under ../shared is
+# recorded and fails the run (issue 44: tests never skip, nor pass, for data eyas ships).
+os.environ.pop("EYAS_SHARED_DATA", None)
+BESIDE = (Path(__file__).resolve().parents[1].parent / "shared").as_posix() + "/"
+READ_BESIDE: list[str] = []
+
+
+def _no_reads_beside(event: str, args: tuple) -> None:
+    if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+        path = os.fsdecode(args[0])
+        if os.path.abspath(path).startswith(BESIDE):
+            READ_BESIDE.append(path)
+            raise PermissionError(f"a test opened {path}: nothing beside the checkout may be read")
+
+
+sys.addaudithook(_no_reads_beside)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if READ_BESIDE:
+        print(f"\nfiles beside the checkout were opened: {sorted(set(READ_BESIDE))[:5]}", file=sys.stderr)
+        session.exitstatus = 1
 
 
 @pytest.fixture(scope="session")

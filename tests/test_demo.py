@@ -12,7 +12,6 @@ import pytest
 
 from eyas.core.errors import EyasError
 from eyas.core.log import Console
-from eyas.core.paths import shared_data_dir
 from eyas.pipeline.demo import RunConfig, stages_from_toml
 from eyas.pipeline.stages import Stage, run_stage
 from tests.test_report import SECTIONS, Page, check_numbers
@@ -27,11 +26,7 @@ def quick_run(tmp_path_factory) -> tuple[Path, str]:
     return runs / "demo-quick", proc.stderr
 
 
-needs_shared_data = pytest.mark.skipif(shared_data_dir() is None, reason="no shared data folder ($EYAS_SHARED_DATA or "
-                                       "../shared/data): the demo trains on GSM8K train")
 
-
-@needs_shared_data
 def test_quick_demo_runs_every_stage_and_reports_the_figures(quick_run):
     run_dir, err = quick_run
     for stage in ("regenerate-gsm8k", "regenerate-chitchat", "prepare", "extract", "train", "evaluate",
@@ -60,7 +55,6 @@ def test_quick_demo_runs_every_stage_and_reports_the_figures(quick_run):
     assert check_numbers(page, run_dir) > 20
 
 
-@needs_shared_data
 @pytest.mark.parametrize("target, parallel", [("tiny-qwen3-moe", "ddp"), ("tiny-deepseek-v3", "fsdp")])
 def test_every_stage_runs_on_moe_and_latent_attention_targets(tmp_path, target, parallel):
     """The pipeline on the tiny Qwen3-MoE and DeepSeek-V3 targets (the tiny Llama is the quick run above):
@@ -86,7 +80,6 @@ def test_every_stage_runs_on_moe_and_latent_attention_targets(tmp_path, target, 
     assert heads * dim == 64 and (target != "tiny-deepseek-v3" or dim == 16)  # MLA: v_head_dim heads
 
 
-@needs_shared_data
 def test_second_run_skips_cached_stages(quick_run):
     run_dir, _ = quick_run
     proc = subprocess.run([sys.executable, "-m", "eyas", "demo", "--quick", "--runs-dir", str(run_dir.parent)],

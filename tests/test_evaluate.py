@@ -7,7 +7,7 @@ import re
 import pytest
 
 from eyas.core.errors import EyasError
-from eyas.core.paths import shared_data_dir
+from eyas.data.builtin import builtin_file
 from eyas.draft.checkpoint import save_draft
 from eyas.speculate.evaluate import EvalConfig, load_bench, short_names
 from eyas.speculate.results import method_figures
@@ -16,15 +16,14 @@ from tests.speculate_helpers import trained_draft
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.mark.skipif(shared_data_dir() is None, reason="no shared data folder ($EYAS_SHARED_DATA or ../shared/data)")
-def test_mt_bench_and_gsm8k_load_from_the_shared_data():
+def test_mt_bench_and_gsm8k_load_from_the_data_eyas_ships():
     items = load_bench("mt_bench")
-    lines = [json.loads(x) for x in (shared_data_dir() / "mt_bench/question.jsonl").read_text().splitlines() if x]
+    lines = [json.loads(x) for x in builtin_file("mt_bench").read_text().splitlines() if x]
     assert len(items) == len(lines) and all(len(i.turns) == 2 for i in items)
     assert items[0].turns == lines[0]["turns"] and items[0].category == lines[0]["category"]
     assert {i.category for i in items} == {x["category"] for x in lines}
     g = load_bench("gsm8k", num_prompts=3)
-    first = json.loads((shared_data_dir() / "gsm8k/test.jsonl").read_text().splitlines()[0])
+    first = json.loads(builtin_file("gsm8k").read_text().splitlines()[0])
     assert len(g) == 3 and g[0].turns == [first["question"]] and g[0].category == "gsm8k"
     two = load_bench("mt_bench", per_category=2)
     by_cat = {}

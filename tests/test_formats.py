@@ -5,7 +5,6 @@ import json
 import pytest
 
 from eyas.core.errors import EyasError
-from eyas.core.paths import shared_data_dir
 from eyas.data.formats import Conversation, Issues, Message, parse_record, read_conversations, resolve_data
 
 Q, A = "What is 2 + 2?", "2 + 2 = 4."
@@ -152,11 +151,22 @@ def test_content_key_ignores_spacing_only():
     assert a.content_key() == b.content_key() != c.content_key()
 
 
-@pytest.mark.skipif(shared_data_dir() is None, reason="no shared data folder")
-def test_shorthands_resolve_to_shared_data():
-    for name, rel, n in (("mt-bench", "mt_bench/question.jsonl", 80), ("gsm8k_test", "gsm8k/test.jsonl", 1319)):
+# sha256 of the upstream files (FastChat's question.jsonl, grade-school-math's train and test.jsonl)
+UPSTREAM = {"mt-bench": "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7",
+            "gsm8k-train": "17f347dc51477c50d4efb83959dbb7c56297aba886e5544ee2aaed3024813465",
+            "gsm8k_test": "3730d312f6e3440559ace48831e51066acaca737f6eabec99bccb9e4b3c39d14"}
+
+
+def test_shorthands_resolve_to_the_data_eyas_ships(tmp_path, monkeypatch):
+    """Issue 44: the built-in names need nothing beside eyas: the shipped files, unpacked into the cache, are the
+    upstream files byte for byte, and parse into their record counts."""
+    import hashlib
+
+    monkeypatch.setenv("EYAS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("EYAS_SHARED_DATA", raising=False)
+    for name, n in (("mt-bench", 80), ("gsm8k-train", 7473), ("gsm8k_test", 1319)):
         (path,) = resolve_data(name)
-        assert path == shared_data_dir() / rel
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == UPSTREAM[name], name
         convs, issues = parse_file(path)
         assert len(convs) == n and not issues.counts
     assert convs[0].messages[0].role == "user" and convs[0].has_assistant

@@ -20,11 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from eyas.core.paths import shared_data_dir
 from eyas.store.reader import StoreReader
 
-pytestmark = [pytest.mark.integration,
-              pytest.mark.skipif(shared_data_dir() is None, reason="needs the shared data folder (GSM8K)")]
+pytestmark = [pytest.mark.integration]
 ENGINE_ARGS = "--max-model-len 2048 --enforce-eager --max-num-seqs 8"
 NAMES = ["layer 2", "layer 15", "layer 27", "final"]
 

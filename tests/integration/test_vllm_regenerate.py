@@ -33,9 +33,9 @@ RUN_TIMEOUT_S = 3600
 
 
 def mt_bench(n: int) -> list[dict]:
-    from eyas.core.paths import shared_data_dir
+    from eyas.data.builtin import builtin_file
 
-    path = shared_data_dir() / "mt_bench" / "question.jsonl"
+    path = builtin_file("mt_bench")
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()][:n]
 

@@ -17,15 +17,10 @@ def cache_dir() -> Path:
 
 
 def shared_data_dir() -> Path | None:
-    """The workplace's shared data folder (MT-Bench, GSM8K), if present: $EYAS_SHARED_DATA, else a `shared/data`
-    beside any folder above the installed package or above the working directory."""
-    candidates = [os.environ.get("EYAS_SHARED_DATA")]
-    for start in (Path(__file__).resolve(), Path.cwd().resolve()):
-        candidates += [str(p / "shared" / "data") for p in start.parents]
-    for c in candidates:
-        if c and Path(c).is_dir():
-            return Path(c)
-    return None
+    """$EYAS_SHARED_DATA, when set to a folder: an override of the data sets eyas ships (eyas.data.builtin).
+    Nothing else is searched: eyas reads no folder beside its checkout."""
+    given = os.environ.get("EYAS_SHARED_DATA")
+    return Path(given) if given and Path(given).is_dir() else None
 
 
 def inside(folder: Path, name: object, listed_in: Path) -> Path:

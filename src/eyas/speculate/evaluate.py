@@ -25,10 +25,10 @@ from eyas.core.dist import pick_device
 from eyas.core.errors import EyasError
 from eyas.core.log import console
 from eyas.core.options import Dtype, device_opt, dtype_opt, target_opt
-from eyas.core.paths import shared_data_dir
 from eyas.core.precision import choose_dtype
 from eyas.core.target import load_target
 from eyas.core.threads import Threads
+from eyas.data.builtin import builtin_file
 from eyas.data.chat import ChatRenderer
 from eyas.draft.checkpoint import read_draft
 from eyas.draft.model import DraftConfig, Eagle3Draft
@@ -150,17 +150,11 @@ def _turns(rec: dict, where: str) -> list[str]:
 
 
 def load_bench(bench: str, num_prompts: int = 0, per_category: int = 0) -> list[Item]:
-    """mt_bench, gsm8k (from eyas.core.paths.shared_data_dir()) or a JSONL file -> the first `num_prompts` items,
+    """mt_bench, gsm8k (the data eyas ships: eyas.data.builtin) or a JSONL file -> the first `num_prompts` items,
     taking at most `per_category` of each category when it is set."""
 
-    named = {"mt_bench": "mt_bench/question.jsonl", "mt-bench": "mt_bench/question.jsonl", "gsm8k": "gsm8k/test.jsonl"}
-    if bench in named:
-        root = shared_data_dir()
-        if root is None or not (root / named[bench]).is_file():
-            raise EyasError(f"benchmark {bench!r} not found",
-                            f"no {named[bench]} under the shared data folder ({root})",
-                            "set EYAS_SHARED_DATA to the folder holding mt_bench/ and gsm8k/, or pass a JSONL file")
-        path = root / named[bench]
+    if bench in ("mt_bench", "mt-bench", "gsm8k"):
+        path = builtin_file(bench)
     else:
         path = Path(bench)
         if not path.is_file():
