@@ -157,7 +157,7 @@ def main(argv=None):
         for k, t in tables.items():
             print(f"t(q) ms {k:>13}: " + "  ".join(f"{q}:{1000 * v:6.1f} ({v / t[1]:.2f})" for q, v in t.items()))
     if "draft" not in args.skip:
-        from eyas.speculate.drafters import quantize_int8
+        from eyas.speculate.quantize import quantize_int8
 
         for name, d in (("draft", draft), ("draft_int8", quantize_int8(draft))):
             res[name] = draft_times(target, d, prefix=args.draft_prefix)

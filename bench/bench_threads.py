@@ -54,9 +54,9 @@ class ThreadsBenchConfig:
 
 
 def kernels(target, names: list[str], env=None) -> dict:
-    from eyas.core.generate import BatchGenerator
     from eyas.draft.model import DraftConfig, Eagle3Draft
     from eyas.draft.ttt import target_log_probs, ttt_forward
+    from eyas.models.generation import BatchGenerator
 
     g = torch.Generator().manual_seed(0)
     vocab = target.vocab_size
@@ -89,7 +89,8 @@ def kernels(target, names: list[str], env=None) -> dict:
                 r.loss_sum.sum().backward()
                 draft.zero_grad(set_to_none=True)
         else:  # as the trainer runs it on several ranks: the objective in DDP, gradients all-reduced every step
-            from eyas.train.engine import TTTObjective, wrap
+            from eyas.train.objective import TTTObjective
+            from eyas.train.parallelize import wrap
             model = wrap(TTTObjective(draft, 5), "ddp", env)
             logp = logp.to(target.dtype)
 

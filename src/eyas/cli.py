@@ -39,7 +39,14 @@ SUMMARIES: dict[str, str] = {  # command -> its one line in `eyas --help` (and i
 
 def command_code(command: str) -> tuple[type, object]:
     """(settings dataclass, run function) of a command."""
-    # imported here, not at the top: every stage module imports torch (2.4 s), which `eyas --help` never needs
+    # imported here, not at the top: the stage modules import torch (2.4 s), which `eyas --help` never needs, and
+    # doctor and report (0.2-0.3 s, no torch) are loaded alone, never through the registry of every stage
+    if command == "doctor":
+        from eyas.doctor import diagnose
+        return diagnose.DoctorConfig, diagnose.run
+    if command == "report":
+        from eyas.report import build
+        return build.ReportConfig, build.run
     from eyas.pipeline import demo, registry
     pipelines = {"demo": (demo.DemoConfig, demo.run), "run": (demo.RunConfig, demo.run_config)}
     return pipelines[command] if command in pipelines else tuple(registry.load_stage(command))

@@ -24,6 +24,7 @@ from typing import Iterable, Iterator, Protocol
 
 from eyas.core.dist import pick_device
 from eyas.core.errors import EyasError
+from eyas.core.precision import FULL
 from eyas.core.target import TINY, resolve_source
 from eyas.core.threads import cores, user_threads
 from eyas.data.formats import Conversation
@@ -71,7 +72,8 @@ def _copies_that_fit(cfg: WorkerSettings) -> int:
         return 1 << 10
     _, folder = resolve_source(cfg.target)
     stored = sum(f.stat().st_size for f in Path(folder).glob("*") if f.suffix in (".safetensors", ".bin"))
-    per_copy = stored * (2 if cfg.dtype == "float32" else 1)  # float32 doubles 16-bit weights; a margin otherwise
+    # float32 doubles 16-bit weights; a margin otherwise (cfg.dtype in either spelling)
+    per_copy = stored * (2 if FULL.get(cfg.dtype, cfg.dtype) == "float32" else 1)
     return int(available * MEMORY_SHARE // per_copy) if per_copy else 1 << 10
 
 

@@ -5,7 +5,7 @@
         model.safetensors      the draft's weights (the eyas draft contract; loadable by read_draft)
         optimizer.safetensors  every optimizer state tensor, keyed "state/<parameter name>/<exp_avg|...>"
         trainer_state.json     step, data position (epoch, step in epoch), world size, counters, the full
-                               TrainConfig, the scheduler position, the optimizer's param groups and scalars,
+                               TrainConfig, the optimizer's param groups and scalars,
                                and every rank's RNG states (as lists of ints)
 
 A checkpoint is written into `step-N.tmp-<pid>/`, every file fsynced, then renamed to `step-N/` (and the folder

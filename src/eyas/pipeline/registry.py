@@ -2,8 +2,8 @@
 
 A stage module exposes one frozen dataclass (its settings) and `run(cfg) -> dict`, the stage's summary. The links
 are plain imports, so a reader, a tool and tests/test_layout.py all see which module runs which command. Importing
-them all costs what importing one does (each imports torch; measured in docs/architecture.md), so `eyas COMMAND`
-pays nothing for the table, and `eyas --help` never loads it (eyas.cli).
+them all costs what importing one torch stage does (measured in docs/architecture.md), so `eyas COMMAND` pays
+nothing for the table; `eyas --help`, `eyas doctor` and `eyas report` never load it (eyas.cli).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The training objective: `TTTObjective` wraps the draft so that one `forward` is one TTT unroll (DDP and FSDP2
-then see a normal module call; eyas.train.parallelize wraps it), its compute dtype (`autocast`, `resolve_dtype`),
-and the validation pass's sums (`validation_sums`).
+then see a normal module call; eyas.train.parallelize wraps it) and its compute dtype (`autocast`,
+`resolve_dtype`); the validation pass's sums are eyas.train.heldout.validation_sums.
 """
 
 from __future__ import annotations
