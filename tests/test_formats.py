@@ -5,7 +5,8 @@ import json
 import pytest
 
 from eyas.core.errors import EyasError
-from eyas.data.formats import Conversation, Issues, Message, parse_record, read_conversations, resolve_data
+from eyas.data.formats import Conversation, Issues, Message, parse_record
+from eyas.data.sources import read_conversations, resolve_data
 
 Q, A = "What is 2 + 2?", "2 + 2 = 4."
 SINGLE = [Message("user", Q), Message("assistant", A)]
@@ -137,7 +138,7 @@ def test_missing_file_is_one_clear_error(tmp_path):
 
 
 def test_parse_record_direct(tmp_path):
-    conv = parse_record({"id": 5, "question": Q, "answer": A, "source": "mine"}, path=tmp_path / "f.jsonl",
+    conv = parse_record({"id": 5, "question": Q, "answer": A, "source": "mine"}, stem="f", name="f.jsonl",
                         where="f.jsonl:9")
     assert conv.id == "5" and conv.source == "mine" and conv.messages == SINGLE
     assert conv.to_record() == {"id": "5", "messages": [{"role": "user", "content": Q},

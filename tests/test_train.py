@@ -366,15 +366,6 @@ def test_lr_schedule_from_the_real_step_count(reference):
     np.testing.assert_allclose(logged, want, rtol=1e-12)
 
 
-def test_tensorboard_flag_says_what_is_missing():
-    import importlib.util
-
-    if importlib.util.find_spec("tensorboard") is not None:
-        pytest.skip("tensorboard is installed")
-    with pytest.raises(EyasError, match="needs the tensorboard package"):
-        TrainConfig(tensorboard=True)
-
-
 def test_eta_counts_max_steps(store, tmp_path, capsys):
     """The ETA is that of the steps the run takes: --max-steps 8 of 3 epochs x 8 planned steps."""
     run(TrainConfig(quiet=False, store=str(store), out=str(tmp_path / "r"), max_steps=8, epochs=3, micro_batch=4,

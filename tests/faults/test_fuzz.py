@@ -22,7 +22,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from eyas.core.errors import EyasError
-from eyas.data.formats import ROLES, Conversation, Issues, read_conversations
+from eyas.data.formats import ROLES, Conversation, Issues
+from eyas.data.sources import read_conversations
 
 LIMIT_S = 20.0  # wall-clock limit of one example: far above what any takes, far below a hang
 

@@ -38,6 +38,11 @@ def trust_remote_code_opt() -> Any:
                       "some configs, e.g. Kimi-K2's); off by default, and said on the console when on")
 
 
+def trusted_code_line(target: str) -> str:
+    """What a stage says on its console when --trust-remote-code is on, before it loads `target`."""
+    return f"--trust-remote-code: transformers may run the Python code shipped with {target}"
+
+
 def dtype_opt(what: str, auto: str = "") -> Any:
     """--dtype of `what` (e.g. "the target's forward pass"); `auto` says what auto means when it is not the
     device's fast type."""

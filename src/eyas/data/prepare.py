@@ -27,18 +27,13 @@ from eyas.core.config import StageConfig, check, opt
 from eyas.core.errors import EyasError
 from eyas.core.files import check_replaceable, publish_output, staged_output, write_json
 from eyas.core.log import console, fmt_duration, fmt_int
-from eyas.core.options import overwrite_opt, target_opt, trust_remote_code_opt
+from eyas.core.options import overwrite_opt, target_opt, trust_remote_code_opt, trusted_code_line
 from eyas.core.target import load_tokenizer
 from eyas.core.weights import load_target_shell
 from eyas.data.chat import ChatRenderer
-from eyas.data.formats import (
-    Conversation,
-    FormatError,
-    Issues,
-    read_conversations,
-    resolve_data,
-)
+from eyas.data.formats import Conversation, FormatError, Issues
 from eyas.data.prepared import SPLITS
+from eyas.data.sources import data_opt, read_conversations, resolve_data
 
 PROMPT_ONLY = "prompt-only"  # kept with an all-zero mask: regenerate them first
 
@@ -46,8 +41,7 @@ PROMPT_ONLY = "prompt-only"  # kept with an all-zero mask: regenerate them first
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PrepareConfig(StageConfig):
     target: str = target_opt(role="its tokenizer and chat template are used")
-    data: tuple[str, ...] = opt((), "input files, folders or shorthands: mt-bench, gsm8k-train, gsm8k-test, "
-                                    "chitchat, writingbench")
+    data: tuple[str, ...] = data_opt()
     out: str = opt("runs/demo/prepared", "output folder: train/, validation/ and summary.json")
     max_length: int = opt(2048, "longest sample in tokens")
     overlong: Literal["truncate", "drop"] = opt("truncate", "what happens to a longer sample (counted either way)")
@@ -187,6 +181,8 @@ def run(cfg: PrepareConfig) -> dict:
         resolve_data(spec)
     t0 = time.perf_counter()
     # the tokenizer and the target's identity only: no weight is read (a 1T target prepares like a small one)
+    if cfg.trust_remote_code:
+        con.print(trusted_code_line(cfg.target))
     target = load_target_shell(cfg.target, trust_remote_code=cfg.trust_remote_code)
     if target.tokenizer is None:
         target = dataclasses.replace(target, tokenizer=load_tokenizer(cfg.target, cfg.trust_remote_code))

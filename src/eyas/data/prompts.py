@@ -34,7 +34,15 @@ from eyas.core.config import StageConfig, check, opt
 from eyas.core.dist import pick_device
 from eyas.core.errors import EyasError
 from eyas.core.log import console, fmt_duration, fmt_int
-from eyas.core.options import Dtype, device_opt, dtype_opt, overwrite_opt, target_opt, trust_remote_code_opt
+from eyas.core.options import (
+    Dtype,
+    device_opt,
+    dtype_opt,
+    overwrite_opt,
+    target_opt,
+    trust_remote_code_opt,
+    trusted_code_line,
+)
 from eyas.core.precision import choose_dtype
 from eyas.core.target import load_target
 from eyas.core.threads import Threads
@@ -100,6 +108,8 @@ class Sampler:
     def __init__(self, cfg: PromptsConfig, dtype: str, con):
         device = pick_device(cfg.device)
         con.print("threads: %d (%s)" % Threads(cfg.threads, 1, device).apply())
+        if cfg.trust_remote_code:
+            con.print(trusted_code_line(cfg.target))
         self.target = load_target(cfg.target, dtype=dtype, device=device, trust_remote_code=cfg.trust_remote_code)
         con.print(self.target.info())
         self.cfg, self.renderer = cfg, ChatRenderer(self.target.tokenizer)

@@ -31,17 +31,21 @@ from eyas.core.config import StageConfig, check, opt
 from eyas.core.dist import on_gpu, pick_device
 from eyas.core.errors import EyasError, Incomplete
 from eyas.core.log import console, fmt_duration, fmt_int
-from eyas.core.options import Dtype, device_opt, dtype_opt, overwrite_opt, target_opt, trust_remote_code_opt
-from eyas.core.precision import choose_dtype
-from eyas.data.formats import (
-    Conversation,
-    Issues,
-    read_conversations,
-    resolve_data,
+from eyas.core.options import (
+    Dtype,
+    device_opt,
+    dtype_opt,
+    overwrite_opt,
+    target_opt,
+    trust_remote_code_opt,
+    trusted_code_line,
 )
+from eyas.core.precision import choose_dtype
+from eyas.data.formats import Conversation, Issues
 from eyas.data.local import LocalBackend, answer_here
 from eyas.data.replies import LEFT_OUT, TOO_LONG, Sink, keep_settings, lock_output, read_done, start_anew
 from eyas.data.server import SERVER_CONCURRENCY, ServerBackend, run_server
+from eyas.data.sources import data_opt, read_conversations, resolve_data
 from eyas.data.vllm_backend import ENGINE_CONCURRENCY, EngineBackend, SharedEngine
 from eyas.data.workers import Workers, plan_workers
 
@@ -49,8 +53,7 @@ from eyas.data.workers import Workers, plan_workers
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RegenerateConfig(StageConfig):
     target: str = target_opt(role="it answers")
-    data: tuple[str, ...] = opt((), "input files, folders or shorthands: mt-bench, gsm8k-train, gsm8k-test, "
-                                    "chitchat, writingbench")
+    data: tuple[str, ...] = data_opt()
     out: str = opt("runs/demo/regenerated.jsonl", "output JSONL, appended; a rerun skips the ids it holds")
     max_samples: int = opt(0, "regenerate only the first N conversations of the input (0: all)")
     max_new_tokens: int = opt(256, "longest reply in tokens")
@@ -151,6 +154,8 @@ def run(cfg: RegenerateConfig, shared: SharedEngine | None = None) -> dict:
         raise EyasError(f"--out {out} is a folder", fix="name a .jsonl file to write")
     for spec in cfg.data:  # a missing file fails now, before anything is loaded
         resolve_data(spec)
+    if cfg.trust_remote_code:
+        con.print(trusted_code_line(cfg.target))
     if not cfg.server:  # the dtype the answers are made in, recorded beside them: never "auto"
         dtype, why = choose_dtype(cfg.dtype, pick_device(cfg.device))
         cfg = dataclasses.replace(cfg, dtype=dtype)

@@ -72,7 +72,7 @@ def start_engine(cfg: EngineSettings, con) -> Server:
     python = vllm_python(cfg.engine_python)
     version = check_vllm(python)
     args = ["--dtype", cfg.dtype, "--seed", str(cfg.seed), "--generation-config", "vllm", *revision,
-            *cfg.engine_args.split()]
+            *(["--trust-remote-code"] if cfg.trust_remote_code else []), *cfg.engine_args.split()]
     home, log = engine_paths(Path(cfg.out))
     argv = server_argv(python, model, cfg.engine_port, args)
     env, threads = cpu_env(python=python)

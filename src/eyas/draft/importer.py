@@ -13,7 +13,7 @@ from eyas.core.config import StageConfig, check, opt
 from eyas.core.errors import EyasError
 from eyas.core.files import check_replaceable, publish_output, read_json, staged_output
 from eyas.core.log import console
-from eyas.core.options import overwrite_opt, target_opt
+from eyas.core.options import overwrite_opt, target_opt, trust_remote_code_opt, trusted_code_line
 from eyas.core.target import default_feature_layers
 from eyas.core.weights import load_target_shell, read_module
 from eyas.draft.checkpoint import CONFIG_FILE, save_draft
@@ -35,6 +35,7 @@ class ImportConfig(StageConfig):
     out: str = opt("", "eyas checkpoint folder to write (default: SOURCE-eyas)")
     target: str = target_opt(role="the draft runs on it: its identity, its layer count and its embed_tokens when "
                                   "the draft has none")
+    trust_remote_code: bool = trust_remote_code_opt()
     layers: tuple[int, ...] = opt((), "HF hidden_states indices of the draft's features, when its config has none")
     overwrite: bool = overwrite_opt("eyas import")
 
@@ -168,7 +169,10 @@ def run_import(cfg: ImportConfig) -> dict:
     layer = raw["transformer_layer_config"] if fmt == "speculators" else raw
     tensors = normalise_keys(read_safetensors(src), src)
     check_replaceable(out, "import", cfg.overwrite)
-    target = load_target_shell(cfg.target)  # its identity, shape and (if needed) embeddings: no decoder layer
+    if cfg.trust_remote_code:
+        con.print(trusted_code_line(cfg.target))
+    # its identity, shape and (if needed) embeddings: no decoder layer
+    target = load_target_shell(cfg.target, trust_remote_code=cfg.trust_remote_code)
     dc, how = foreign_config(raw, layer, target, cfg.layers, src)
     check_weights("eagle3", tensors, dims(dc), str(src), relaxed=("embed_tokens.weight", "d2t", "t2d"))
     embed = complete(tensors, dc, target, src)

@@ -24,7 +24,7 @@ from eyas.core.config import StageConfig, check, opt
 from eyas.core.dist import pick_device
 from eyas.core.errors import EyasError
 from eyas.core.log import console
-from eyas.core.options import Dtype, device_opt, dtype_opt, target_opt
+from eyas.core.options import Dtype, device_opt, dtype_opt, target_opt, trust_remote_code_opt, trusted_code_line
 from eyas.core.precision import choose_dtype
 from eyas.core.target import load_target
 from eyas.core.threads import Threads
@@ -57,6 +57,7 @@ REPORT_QS = (1, 4, 8, 16, 32)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalConfig(StageConfig):
     target: str = target_opt()
+    trust_remote_code: bool = trust_remote_code_opt()
     draft: str = opt("", "draft checkpoint folder (eyas train's final/); 'untrained' = freshly initialised "
                      "(timing only)")
     bench: str = opt("mt_bench", "mt_bench, gsm8k, or a JSONL file of prompts (turns|prompt|question|messages)")
@@ -295,7 +296,9 @@ def run(cfg: EvalConfig) -> dict:
     dtype, why = choose_dtype(cfg.dtype, str(device))
     if why:
         con.print(why)
-    target = load_target(cfg.target, dtype=dtype, device=str(device))
+    if cfg.trust_remote_code:
+        con.print(trusted_code_line(cfg.target))
+    target = load_target(cfg.target, dtype=dtype, device=str(device), trust_remote_code=cfg.trust_remote_code)
     con.print(target.info())
     draft = load_draft(cfg.draft, target, device, target.dtype)
     extra = {b: load_draft(b, target, device, target.dtype) for b in cfg.baselines

@@ -33,7 +33,7 @@ from eyas.core.errors import EyasError, disk_full
 from eyas.core.files import check_writable, read_json, write_json
 from eyas.core.log import Console, console, fmt_bytes, fmt_duration, fmt_int
 from eyas.core.memory import tune_allocator
-from eyas.core.options import Dtype, device_opt, dtype_opt, target_opt
+from eyas.core.options import Dtype, device_opt, dtype_opt, target_opt, trust_remote_code_opt, trusted_code_line
 from eyas.core.precision import FULL, SHORT, choose_dtype
 from eyas.core.target import Target, load_target
 from eyas.core.threads import Threads
@@ -58,6 +58,7 @@ class ExtractConfig(StageConfig):
     split: str = opt("train", "which split of --data to extract")
     store: str = opt("runs/demo/store", "output store folder (resumes when it holds a partial run)")
     target: str = target_opt()
+    trust_remote_code: bool = trust_remote_code_opt()
     layers: tuple[int, ...] = opt((), "HF hidden_states indices of the three features; empty = [2, L//2, L-3]")
     dtype: Dtype = dtype_opt("the target's forward pass (and the store)")
     compact: bool = opt(False, "store fp8 e4m3 with per-row power-of-two scales (half the bytes; see docs/store.md)")
@@ -177,8 +178,11 @@ def _run(cfg: ExtractConfig, env, con, target, cpu: Threads) -> dict:
         raise EyasError(f"{cfg.data} [{cfg.split}] has no samples", fix="prepare some data first")
     lengths = [int(x) for x in ds.select_columns(["num_tokens"])[:n]["num_tokens"]]
     if target is None:  # an engine runs the target elsewhere: here only its config and final norm
-        target = (load_target_shell(cfg.target) if cfg.engine == "vllm"
-                  else load_target(cfg.target, dtype=cfg.dtype, device=env.device))
+        if cfg.trust_remote_code:
+            con.print(trusted_code_line(cfg.target))
+        target = (load_target_shell(cfg.target, trust_remote_code=cfg.trust_remote_code) if cfg.engine == "vllm"
+                  else load_target(cfg.target, dtype=cfg.dtype, device=env.device,
+                                   trust_remote_code=cfg.trust_remote_code))
     if cfg.attn != "auto" and cfg.engine == "local":
         target.model.set_attn_implementation(cfg.attn)
     layer_ids = list(cfg.layers) or target.default_feature_layers()

@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 from eyas.core.config import StageConfig, check, opt
 from eyas.core.errors import EyasError
 from eyas.core.log import console, fmt_bytes, fmt_duration, fmt_int
-from eyas.core.options import target_opt
+from eyas.core.options import target_opt, trust_remote_code_opt, trusted_code_line
 from eyas.core.target import default_feature_layers
 from eyas.core.weights import load_target_shell, read_module
 from eyas.data.prepared import open_prepared
@@ -45,6 +45,7 @@ class StoreImportConfig(StageConfig):
     store: str = opt("", "output store folder (must be new or empty)")
     target: str = target_opt(role="the one that produced them: its identity is recorded, its final norm "
                                   "completes vLLM's pre-norm last layer")
+    trust_remote_code: bool = trust_remote_code_opt()
     layers: tuple[int, ...] = opt((), "HF hidden_states indices the producer captured; empty = [2, L//2, L-3]")
     layout: Literal["auto", "speculators", "specforge"] = opt("auto", "the source's layout")
     data: str = opt("", "prepared dataset to check token ids against (ids and loss masks are taken from it)")
@@ -142,13 +143,13 @@ def read_specforge(path: Path) -> Foreign:
 
 # ---------------------------------------------------------------- the target, without its weights
 
-def target_parts(spec: str, need_norm: bool):
+def target_parts(spec: str, need_norm: bool, trust_remote_code: bool = False):
     """(identity, num_layers, hidden size, final norm module or None) without loading the weights.
 
     Imports exist for targets too large to load: the model is built on the meta device, and only the final
     norm's weight is read from the checkpoint when vLLM's pre-norm last layer needs it (eyas.core.weights).
     """
-    t = load_target_shell(spec)
+    t = load_target_shell(spec, trust_remote_code=trust_remote_code)
     norm = read_module(t, t.final_norm()) if need_norm else None
     return t.identity(), t.num_layers, t.hidden_size, norm
 
@@ -166,7 +167,9 @@ def run(cfg: StoreImportConfig) -> dict:
     layout = detect_layout(src) if cfg.layout == "auto" else cfg.layout
     files = list_files(src, layout)
     apply_norm = cfg.final_norm == "apply" or (cfg.final_norm == "auto" and layout == "speculators")
-    identity, num_layers, hidden, norm = target_parts(cfg.target, apply_norm)
+    if cfg.trust_remote_code:
+        con.print(trusted_code_line(cfg.target))
+    identity, num_layers, hidden, norm = target_parts(cfg.target, apply_norm, cfg.trust_remote_code)
 
     layer_ids = list(cfg.layers) or default_feature_layers(num_layers)
     rows, fingerprint = _reference_rows(cfg, src, layout, files)

@@ -169,7 +169,8 @@ def open_engine(cfg, env, con, target, layer_ids: list[int], longest: int) -> Vl
     for leftover in (*tmp.glob("*.safetensors"), *tmp.glob("*.safetensors.lock")):  # a killed run's, never read
         leftover.unlink(missing_ok=True)
     log = Path(cfg.store) / "logs" / f"engine-rank-{env.rank:05d}.log"
-    extra = " ".join([f"--dtype {FULL[cfg.dtype]}", *revision])
+    extra = " ".join([f"--dtype {FULL[cfg.dtype]}", *revision,
+                      *(["--trust-remote-code"] if cfg.trust_remote_code else [])])
     if "--max-model-len" not in cfg.engine_args:
         extra += f" --max-model-len {longest + 1}"  # the longest prompt, and the one token a completion asks for
     extra += f" {cfg.engine_args}"

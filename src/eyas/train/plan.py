@@ -31,7 +31,7 @@ from eyas.core.config import StageConfig, check, opt
 from eyas.core.errors import EyasError
 from eyas.core.files import read_json
 from eyas.core.log import Console, fmt_bytes, fmt_duration, fmt_int
-from eyas.core.options import Dtype, dtype_opt, target_opt
+from eyas.core.options import Dtype, dtype_opt, target_opt, trust_remote_code_opt, trusted_code_line
 from eyas.core.precision import FULL
 from eyas.data.prepared import open_prepared, read_summary
 
@@ -157,8 +157,8 @@ def storage_bytes(tokens: int, hidden_size: int, dtype: str = "bfloat16") -> tup
     return per_token, per_token * tokens
 
 
-def target_dims(spec: str) -> tuple[int, int]:
-    """(hidden size, layers) of a target name, HF folder or .gguf, without loading its weights."""
+def target_dims(spec: str, trust_remote_code: bool = False) -> tuple[int, int]:
+    """(hidden size, layers) of a target name, HF folder, Hub id or .gguf, without loading its weights."""
 
     info = getattr(target, "target_spec_info", None)  # the target module's own table, when it offers one
     if info is not None:
@@ -170,14 +170,28 @@ def target_dims(spec: str) -> tuple[int, int]:
         fields = target.TINY[spec][1]
         return fields["hidden_size"], fields["num_hidden_layers"]
     path = Path(spec).expanduser()
+    if target.hub_id(spec) is not None:  # its config and tokenizer files, from the Hugging Face cache
+        path = Path(target.resolve_source(spec, weights=False)[1])
     if path.is_dir() and (path / "config.json").is_file():
-        cfg = read_json(path / "config.json", "give a model folder whose config.json is intact")
-        cfg = cfg.get("text_config", cfg)
-        return int(cfg["hidden_size"]), int(cfg.get("num_hidden_layers", 0))
+        return _config_dims(path, trust_remote_code)
     if spec in target.BUILTINS or (path.suffix == ".gguf" and path.is_file()):
         return _gguf_dims(target.builtin_gguf(spec) if spec in target.BUILTINS else path)
     raise EyasError(f"unknown target {spec!r}", "it is neither a built-in name, a model folder nor a .gguf file",
                     "give --hidden-size H (and --num-layers L) instead")
+
+
+def _config_dims(folder: Path, trust_remote_code: bool) -> tuple[int, int]:
+    """From config.json as written; a config that states them only through its own class (its fields named
+    otherwise) is read by transformers, running the folder's code when --trust-remote-code allows it."""
+    cfg = read_json(folder / "config.json", "give a model folder whose config.json is intact")
+    cfg = cfg.get("text_config", cfg)
+    if "hidden_size" in cfg:
+        return int(cfg["hidden_size"]), int(cfg.get("num_hidden_layers", 0))
+    from transformers import AutoConfig  # heavy (seconds to import): only for a config that needs it
+
+    with target.refusing_code(folder):
+        text = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code).get_text_config()
+    return int(text.hidden_size), int(getattr(text, "num_hidden_layers", 0) or 0)
 
 
 def _gguf_dims(path: Path) -> tuple[int, int]:
@@ -223,6 +237,7 @@ class PlanConfig(StageConfig):
     drop_remainder: bool = opt(False, "drop what does not fill a whole global batch (default: pad with repeats)")
     steps_per_s: float = opt(0.0, "measured optimizer steps per second of one rank, for the ETA; 0 = no ETA")
     target: str = target_opt("", role="for its hidden size (or give --hidden-size)")
+    trust_remote_code: bool = trust_remote_code_opt()
     hidden_size: int = opt(0, "the target's hidden size H, for the storage estimate")
     num_layers: int = opt(0, "the target's decoder layers, to show the default feature layers")
     dtype: Dtype = dtype_opt("the extraction, which the hidden states are stored in", auto="bf16, what a GPU's auto "
@@ -252,7 +267,7 @@ def _free_disk(where: str) -> tuple[str, int]:
 def _storage_lines(cfg: PlanConfig, tokens: int) -> tuple[list[str], dict | None]:
     hidden, layers = cfg.hidden_size, cfg.num_layers
     if cfg.target and not hidden:
-        hidden, layers = target_dims(cfg.target)
+        hidden, layers = target_dims(cfg.target, cfg.trust_remote_code)
     folder, free = _free_disk(cfg.store)
     disk = {"path": folder, "free_bytes": free}
     if not (hidden and tokens):
@@ -282,6 +297,8 @@ def run(cfg: PlanConfig) -> dict:
     plan = compute_plan(samples, cfg.world_size, cfg.micro_batch, cfg.grad_accum, cfg.epochs, cfg.drop_remainder,
                         cfg.steps_per_s or None, tokens or None)
     con = Console(quiet=cfg.quiet or cfg.json, stream=sys.stdout)
+    if cfg.trust_remote_code and cfg.target and not cfg.hidden_size:
+        con.print(trusted_code_line(cfg.target))
     storage_lines, storage = _storage_lines(cfg, tokens)
     for line in plan.lines() + storage_lines:
         con.print(line)

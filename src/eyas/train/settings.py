@@ -5,11 +5,11 @@ field here, each checked together in `validate`.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 
 from eyas.core.config import StageConfig, check, opt
-from eyas.core.options import Dtype, device_opt, dtype_opt, target_opt
+from eyas.core.options import Dtype, device_opt, dtype_opt, target_opt, trust_remote_code_opt
 from eyas.train.plan import EPOCHS, GRAD_ACCUM, MICRO_BATCH
+from eyas.train.trackers import TRACKERS, missing_package
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -18,6 +18,7 @@ class TrainConfig(StageConfig):
 
     store: str = opt("runs/demo/store", "hidden-state store to train on (written by eyas extract)")
     target: str = target_opt(role="the store was extracted from it: embeddings, output head, identity")
+    trust_remote_code: bool = trust_remote_code_opt()
     out: str = opt("runs/demo/draft", "run folder: metrics.jsonl, plan.json, audit.json, checkpoints/, final/")
     online: bool = opt(False, "run the target in the loop to compute the features (no store; needs --data)")
     data: str = opt("", "prepared dataset folder: the samples for --online; with --store, the dataset the store "
@@ -65,7 +66,9 @@ class TrainConfig(StageConfig):
     checkpoint_every: int = opt(0, "write a checkpoint every N optimizer steps (0 = only at the end of each epoch)")
     keep_checkpoints: int = opt(3, "keep the newest K checkpoints")
     resume: bool = opt(False, "continue from the newest checkpoint in OUT/checkpoints (same settings and ranks)")
-    tensorboard: bool = opt(False, "also log to OUT/tensorboard (needs the tensorboard package)")
+    tracker: tuple[str, ...] = opt((), "also send rank 0's metrics to: tensorboard (OUT/tensorboard), wandb "
+                                       "(Weights & Biases; WANDB_MODE=offline works without a network), mlflow "
+                                       "(MLFLOW_TRACKING_URI); docs/train.md")
     prefetch: int = opt(4, "micro-batches prepared ahead on a background thread")
 
     def validate(self):
@@ -91,6 +94,9 @@ class TrainConfig(StageConfig):
               "pass --data DIR, the folder eyas prepare wrote")
         check(not (self.online and self.val_store), "train: --val-store does not go with --online",
               "online training validates on DIR/validation of --data")
-        check(not self.tensorboard or importlib.util.find_spec("tensorboard") is not None,
-              "train: --tensorboard needs the tensorboard package, which is not installed",
-              "pip install tensorboard, or drop --tensorboard (metrics.jsonl has the same figures)")
+        for name in self.tracker:
+            check(name in TRACKERS, f"train: --tracker {name} is not a tracker eyas knows",
+                  f"use one or more of {', '.join(TRACKERS)}")
+            install = missing_package(name)
+            check(install is None, f"train: --tracker {name} needs a package that is not installed",
+                  f"`{install}`, or drop {name} from --tracker (metrics.jsonl has the same figures)")

@@ -30,6 +30,7 @@ from eyas.core.errors import EyasError
 from eyas.core.files import read_json, write_json
 from eyas.core.log import fmt_int
 from eyas.core.memory import tune_allocator
+from eyas.core.options import trusted_code_line
 from eyas.core.target import Target, load_target
 from eyas.core.threads import Threads
 from eyas.core.weights import load_target_shell, read_module
@@ -59,6 +60,7 @@ from eyas.train.parallelize import load_optimizer_state, wrap
 from eyas.train.plan import Plan, compute_plan
 from eyas.train.sharding import ShardSpec, epoch_units
 from eyas.train.state import ResumePoint, TrainerState
+from eyas.train.trackers import open_trackers, train_scalars, validation_scalars
 
 METRICS, VALIDATION = "metrics.jsonl", "validation.jsonl"
 
@@ -105,6 +107,8 @@ def setup(cfg, env, con) -> TrainParts:
     ckpt = resume_point(cfg, env, con, out)
     train_src, val_src = sources(cfg)
     data_record = skipped_data(train_src, ckpt, con)
+    if cfg.trust_remote_code:
+        con.print(trusted_code_line(cfg.target))
     target, layer_ids = load_checked_target(cfg, env, dtype, (train_src, val_src))
     vocab_info, d2t = draft_vocab(cfg, env, target, train_src, ckpt)
     draft_cfg = DraftConfig.for_target(target, int(d2t.numel()), layer_ids, cfg.num_layers, cfg.fc_norm)
@@ -127,7 +131,7 @@ def setup(cfg, env, con) -> TrainParts:
         model=model, params=[p for p in model.parameters() if p.requires_grad], optimizer=optimizer,
         head_rows=head_rows, t2d=draft.t2d, weights=step_weights(cfg.ttt_steps, cfg.step_decay), spec=spec,
         val_spec=val_spec, steps_per_epoch=steps, total_steps=total, warmup_steps=warmup, plan=plan,
-        plan_json=plan_json, metrics=MetricsLog(out, start, cfg.tensorboard) if env.is_main else NullMetrics(),
+        plan_json=plan_json, metrics=MetricsLog(out, start, cfg) if env.is_main else NullMetrics(),
         resumed=ckpt.state if ckpt else None)
 
 
@@ -222,10 +226,12 @@ def sources(cfg):
 
 def load_checked_target(cfg, env, dtype: str, srcs) -> tuple[Target, list[int]]:
     """The target, refused unless the sources were extracted from it, and the feature layer ids."""
+    trust = cfg.trust_remote_code
     if cfg.online:  # the target computes the features: all of it, on the device
-        target = load_target(cfg.target, device=env.device, dtype="bfloat16" if dtype == "bf16" else "float32")
+        target = load_target(cfg.target, device=env.device, dtype="bfloat16" if dtype == "bf16" else "float32",
+                             trust_remote_code=trust)
     else:  # only its identity, shape, embeddings and output head: no decoder layer is read (eyas.core.weights)
-        target = load_target_shell(cfg.target)
+        target = load_target_shell(cfg.target, trust_remote_code=trust)
     for src in srcs:
         if src is not None:
             src.check_target(target.identity())
@@ -336,11 +342,11 @@ def audits_so_far(out: Path) -> dict:
 
 
 class MetricsLog:
-    """Rank 0's metrics: RUN/metrics.jsonl (one JSON object per optimizer step), RUN/validation.jsonl, and
-    optionally TensorBoard. On resume, lines past the checkpoint's step (written before the crash) are dropped,
-    so every step appears once."""
+    """Rank 0's metrics: RUN/metrics.jsonl (one JSON object per optimizer step), RUN/validation.jsonl, and the
+    trackers of --tracker (eyas.train.trackers). On resume, lines past the checkpoint's step (written before the
+    crash) are dropped, so every step appears once."""
 
-    def __init__(self, out: Path, step: int, tensorboard: bool):
+    def __init__(self, out: Path, step: int, cfg):
         out.mkdir(parents=True, exist_ok=True)
         self.files = {}
         for name in (METRICS, VALIDATION):
@@ -348,29 +354,17 @@ class MetricsLog:
             if path.exists():
                 _truncate_after(path, step)
             self.files[name] = open(path, "a", encoding="utf-8")
-        self.tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter  # optional dependency (--tensorboard)
-            except ImportError:
-                raise EyasError("--tensorboard needs the tensorboard package", fix="pip install tensorboard") from None
-            self.tb = SummaryWriter(str(out / "tensorboard"))
+        self.trackers = open_trackers(cfg.tracker, out, dataclasses.asdict(cfg)) if cfg.tracker else []
 
     def write(self, rec: dict) -> None:
         self._line(METRICS, rec)
-        if self.tb is not None:
-            for key in ("loss", "lr", "tokens_per_s", "grad_norm"):
-                self.tb.add_scalar(f"train/{key}", rec[key], rec["step"])
-            for i, (loss, acc) in enumerate(zip(rec["loss_i"], rec["acc_i"])):
-                self.tb.add_scalar(f"train/loss_{i}", loss, rec["step"])
-                self.tb.add_scalar(f"train/acc_{i}", acc, rec["step"])
+        for t in self.trackers:
+            t.log(train_scalars(rec), rec["step"])
 
     def write_validation(self, rec: dict) -> None:
         self._line(VALIDATION, rec)
-        if self.tb is not None:
-            self.tb.add_scalar("val/loss", rec["loss"], rec["step"])
-            for i, acc in enumerate(rec["acc_i"]):
-                self.tb.add_scalar(f"val/acc_{i}", acc, rec["step"])
+        for t in self.trackers:
+            t.log(validation_scalars(rec), rec["step"])
 
     def _line(self, name: str, rec: dict) -> None:
         f = self.files[name]
@@ -380,8 +374,8 @@ class MetricsLog:
     def close(self) -> None:
         for f in self.files.values():
             f.close()
-        if self.tb is not None:
-            self.tb.close()
+        for t in self.trackers:
+            t.close()
 
 
 class NullMetrics:
