@@ -30,11 +30,12 @@ def quick_run(tmp_path_factory) -> tuple[Path, str]:
 def test_quick_demo_runs_every_stage_and_reports_the_figures(quick_run):
     run_dir, err = quick_run
     for stage in ("regenerate-gsm8k", "regenerate-chitchat", "prepare", "extract", "train", "evaluate",
-                  "export-eagle3", "export-speculators", "report"):
+                  "evaluate-gsm8k", "export-eagle3", "export-speculators", "report"):
         assert (run_dir / "stages" / f"{stage}.json").exists(), stage
     assert "disjoint: yes" in err  # the sharding audit of the two-rank training is visible
     assert "plan: optimizer steps (global, all ranks step together)" in err  # and its plan, labelled
     assert "acceptance length tau" in err and "lossless: yes" in err
+    assert "  GSM8K test (4 prompts): draft tau" in err and "  MT-Bench (4 prompts, writing): draft tau" in err
     audit = json.loads((run_dir / "train" / "audit.json").read_text())
     assert audit["disjoint"] is True and audit["covers"] is True and audit["world_size"] == 2
     page = Page((run_dir / "report.html").read_text(encoding="utf-8"))
@@ -254,15 +255,41 @@ def test_a_failed_torchrun_stage_names_the_rank_that_died_first(tmp_path, monkey
                                 tmp_path / "extract.log", Console(quiet=True))
 
 
-def test_the_demos_last_lines_set_its_draft_beside_prompt_lookup(tmp_path):
-    """A newcomer reads the demo's small tau beside the untrained yardstick and where a real draft is trained."""
+def test_the_demos_last_lines_judge_the_draft_where_it_should_pay_and_where_it_cannot(tmp_path):
+    """Issue 44: a newcomer reads the draft on GSM8K test (like its training data) and on MT-Bench writing, each
+    beside the hybrid and prompt lookup, and a conclusion drawn from those figures, not written in advance."""
     from eyas.pipeline.demo import _final_lines
 
     ok = {"checked": True, "identical": True}
-    configs = [{"name": "eagle3 chain k=3", "drafter": "eagle3", "tau": 1.03, "speedup": 1.02, "lossless": ok},
-               {"name": "prompt-lookup k=7", "drafter": "prompt-lookup", "tau": 1.48, "speedup": 1.28, "lossless": ok}]
-    lines = _final_lines({"evaluate": {"configs": configs}, "report": {"path": "r.html"}}, tmp_path)
-    assert lines[1].startswith("draft eagle3 chain k=3: acceptance length tau 1.03, speedup 1.02x")
-    assert lines[2].startswith("prompt lookup (no training) on the same prompts: tau 1.48, 1.28x.")
-    assert "examples/smollm2-recipe.toml" in lines[2] and lines[3] == "report: r.html"
-    assert len(_final_lines({"evaluate": {"configs": configs[:1]}}, tmp_path)) == 2  # no yardstick, no line
+
+    def results(bench, cats, draft, hybrid, lookup):
+        configs = [{"name": f"eagle3 chain k={k}", "drafter": "eagle3", "k": k, "tau": t, "speedup": s,
+                    "lossless": ok} for k, (t, s) in zip((3, 5), draft)]
+        configs += [{"name": "hybrid", "drafter": "hybrid", "k": 5, "tau": hybrid[0], "speedup": hybrid[1],
+                     "lossless": ok},
+                    {"name": "prompt-lookup k=7", "drafter": "prompt-lookup", "k": 7, "tau": lookup[0],
+                     "speedup": lookup[1], "lossless": ok}]
+        return {"bench": {"name": bench, "prompts": 4, "categories": cats}, "configs": configs}
+
+    gsm = results("gsm8k", ["gsm8k"], [(1.9, 1.31), (2.2, 1.42)], (2.1, 1.45), (1.3, 1.12))
+    mt = results("mt_bench", ["writing"], [(1.02, 1.01), (1.03, 0.99)], (1.44, 1.31), (1.44, 1.30))
+    summaries = {"prepare": {"samples": {"train": 310, "validation": 10}}, "evaluate": mt, "evaluate-gsm8k": gsm,
+                 "report": {"path": "r.html"}}
+    lines = _final_lines(summaries, tmp_path)
+    assert lines[1] == ("acceptance length tau and speedup over plain greedy decoding of the draft trained on 310 "
+                        "conversations, beside prompt lookup and the hybrid of both (lossless: yes):")
+    assert lines[2] == ("  MT-Bench (4 prompts, writing): draft tau 1.02, 1.01x (chain 3); hybrid tau 1.44, 1.31x; "
+                        "prompt lookup tau 1.44, 1.30x")
+    assert lines[3] == ("  GSM8K test (4 prompts): draft tau 2.20, 1.42x (chain 5); hybrid tau 2.10, 1.45x; "
+                        "prompt lookup tau 1.30, 1.12x")
+    assert lines[4].startswith("A few hundred conversations teach the draft the kind of text they hold (GSM8K)")
+    assert "examples/smollm2-recipe.toml" in lines[4] and lines[5] == "report: r.html"
+    # the conclusion follows the figures: a draft that pays nowhere is not said to have learned anything
+    weak = results("gsm8k", ["gsm8k"], [(1.1, 1.02), (1.1, 1.0)], (1.3, 1.2), (1.3, 1.2))
+    lines = _final_lines({**summaries, "evaluate-gsm8k": weak}, tmp_path)
+    assert lines[4].startswith("A few hundred conversations do not make a draft that pays on these prompts")
+    both = results("mt_bench", ["writing"], [(1.5, 1.2), (1.5, 1.2)], (1.5, 1.2), (1.3, 1.1))
+    assert "pays (at least 1.10x over greedy) on MT-Bench and GSM8K" in _final_lines(
+        {**summaries, "evaluate": both}, tmp_path)[4]
+    no_draft = {"bench": {"name": "gsm8k"}, "configs": gsm["configs"][2:]}
+    assert _final_lines({"evaluate": no_draft}, tmp_path) == [f"run folder: {tmp_path}"]
