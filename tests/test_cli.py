@@ -61,6 +61,20 @@ def test_interrupted_run_names_the_command_that_resumes_it():
     assert cli.resume_command("extract", ["extract", "--store", "a b"]) == "eyas extract --store 'a b'"
 
 
+def test_a_torchrun_rank_names_the_launcher_that_resumes_it(monkeypatch):
+    """Issue 45: under torchrun the hint repeats the launcher and its process count (a plain `eyas train --resume`
+    is refused: the checkpoint was written by 2 ranks)."""
+    import eyas.core.dist  # noqa: F401  (what a rank of train or extract has loaded)
+
+    for k, v in {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(k, v)
+    want = "torchrun --nproc_per_node 2 -m eyas train --out r --resume"
+    assert cli.resume_command("train", ["train", "--out", "r"]) == want
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert cli.resume_command("extract", ["extract"]) == (
+        "torchrun --nnodes 4 (and your rendezvous options) --nproc_per_node 2 -m eyas extract")
+
+
 def test_every_dtype_spelling_is_accepted_by_every_command():
     """`--dtype fp32` and `--dtype float32` (bf16/bfloat16, fp16/float16) mean the same to every command that has
     a dtype; each keeps its own spelling inside, and a TOML table takes them too."""

@@ -573,3 +573,18 @@ def test_a_damaged_plan_gives_no_predictions_rather_than_a_crash():
     good = predictions(100, 4, 5, 2)
     assert good["sharded"]["steps_per_epoch"] == 5 and good["not sharded"]["steps_per_epoch"] == 20
     assert _per_epoch_from_total(3, None, {"x": {"steps_per_epoch": 0}}, "3") == (None, "")
+
+
+def test_many_anomalies_of_one_kind_print_as_a_few_and_a_count():
+    """Issue 45: a long log's thousands of anomalies of one kind print as the first three and a count with their
+    lines; every kind is shown, in the order first seen; --json keeps them all."""
+    from eyas.doctor.diagnose import _render_anomalies
+    from eyas.doctor.series import anomaly
+
+    many = [anomaly("loss spike", 100 + i, f"loss spike at step {i}") for i in range(2095)]
+    lines = _render_anomalies([anomaly("restart", 50, "step went back"), *many, anomaly("restart", 9000, "again")])
+    assert lines == ["  anomaly (restart): step went back", "  anomaly (restart): again",
+                     "  anomaly (loss spike): loss spike at step 0", "  anomaly (loss spike): loss spike at step 1",
+                     "  anomaly (loss spike): loss spike at step 2",
+                     "  anomaly (loss spike): 2,092 more of this kind, lines 103-2,194 (--json lists every one)"]
+    assert _render_anomalies([]) == ["  anomalies: none"]

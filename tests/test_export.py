@@ -232,6 +232,20 @@ def test_overwrite_never_deletes_what_the_command_did_not_write(tiny_target, tmp
     do(tmp_path / "mine")
     do(tmp_path / "mine", overwrite=True)
     assert (tmp_path / "mine" / "model.safetensors").is_file()
+    # issue 45: a file the user put into the command's own output, or one changed since, is never deleted
+    (tmp_path / "mine" / "NOTES.md").write_text("mine")
+    with pytest.raises(EyasError, match=r"(?s)holds 1 file\(s\) .*did not write, such as .*NOTES\.md"):
+        do(tmp_path / "mine", overwrite=True)
+    assert (tmp_path / "mine" / "NOTES.md").read_text() == "mine"
+    (tmp_path / "mine" / "NOTES.md").unlink()
+    with open(tmp_path / "mine" / "config.json", "a") as f:
+        f.write("\n")  # an edit by hand
+    with pytest.raises(EyasError, match=r"such as .*config\.json"):
+        do(tmp_path / "mine", overwrite=True)
+    do(tmp_path / "mine2")
+    (tmp_path / "mine2" / "sub").mkdir()  # an empty folder holds nothing to lose
+    do(tmp_path / "mine2", overwrite=True)
+    assert not (tmp_path / "mine2" / "sub").exists()
 
 
 def test_export_refuses_bad_checkpoint_and_keeps_existing(tiny_target, tmp_path):
@@ -383,3 +397,40 @@ def test_model_card_carries_the_runs_data_and_evaluation(tiny_target, tmp_path):
     other.write_text(json.dumps({**results, "draft": {**results["draft"], "path": str(tmp_path / "elsewhere")}}))
     with pytest.raises(EyasError, match="measured the draft"):  # figures of another draft never go on this card
         export(final, "eagle3", tmp_path / "out2", evaluation=str(other))
+
+
+@pytest.mark.parametrize("damage", ["bit-flip", "truncated", "not-safetensors", "config-edited"])
+def test_export_and_import_refuse_a_damaged_draft_by_its_checksums(tiny_target, tmp_path, damage):
+    """Issue 45: a draft whose bytes changed after eyas wrote it is refused by export (an eyas checkpoint) and by
+    import (an eyas export), naming the file, as evaluate refuses it; never converted into other weights."""
+    make_checkpoint(tiny_target, tmp_path / "ckpt")
+    export(tmp_path / "ckpt", "eagle3", tmp_path / "exported")
+    assert json.loads((tmp_path / "exported" / "config.json").read_text())["eyas"]  # not a checksummed config
+
+    def damaged(folder):
+        weights, config = folder / "model.safetensors", folder / "config.json"
+        if damage == "bit-flip":  # one bit in the last tensor's bytes: the file still parses
+            data = bytearray(weights.read_bytes())
+            data[-3] ^= 0x10
+            weights.write_bytes(bytes(data))
+            return "is damaged: its tensors differ from the checksum", weights
+        if damage == "truncated":
+            weights.write_bytes(weights.read_bytes()[:-1000])
+            return "is unreadable", weights
+        if damage == "not-safetensors":
+            weights.write_text("<html>404 not found</html>")
+            return "is unreadable", weights
+        cfg = json.loads(config.read_text())
+        cfg["eyas_draft"]["rms_norm_eps"] = 1e-3  # a value changed by hand
+        config.write_text(json.dumps(cfg))
+        return "is damaged: its content differs from the checksum", config
+
+    said, name = damaged(tmp_path / "ckpt")
+    with pytest.raises(EyasError, match=said) as e:
+        export(tmp_path / "ckpt", "eagle3", tmp_path / "out")
+    assert str(name) in str(e.value) and not (tmp_path / "out").exists()
+    if damage != "config-edited":  # an export's config.json is the engines' (no checksum); its weights have one
+        said, name = damaged(tmp_path / "exported")
+        with pytest.raises(EyasError, match=said) as e:
+            import_(tmp_path / "exported", tmp_path / "imported")
+        assert str(name) in str(e.value) and not (tmp_path / "imported").exists()

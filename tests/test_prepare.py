@@ -168,6 +168,10 @@ def test_existing_output_is_kept_unless_overwrite(fast_target, inputs, tmp_path)
     with pytest.raises(EyasError, match="not a folder `eyas prepare` wrote"):
         run(PrepareConfig(target="tiny", data=(inputs[0],), out=str(tmp_path / "other"), overwrite=True, quiet=True))
     assert (tmp_path / "other" / "precious.txt").read_text() == "keep me"
+    (out / "train" / "my-notes.txt").write_text("mine")  # issue 45: inside prepare's own output, nested
+    with pytest.raises(EyasError, match=r"did not write, such as .*train/my-notes\.txt"):
+        run(PrepareConfig(target="tiny", data=(inputs[0],), out=str(out), overwrite=True, quiet=True))
+    assert (out / "train" / "my-notes.txt").read_text() == "mine" and read_summary(out)["data"] == [inputs[1]]
 
 
 def test_max_samples_and_no_dedup(fast_target, inputs, tmp_path):
@@ -215,3 +219,39 @@ def test_records_of_a_one_line_json_array_are_placed_by_index_and_all_kept(fast_
     (example,) = s["dropped_by_reason"]["unknown-format"]["examples"]
     assert example["where"] == f"{arr}:1.1 (record 1)"
     assert sorted(r["id"] for r in open_prepared(tmp_path / "p", "train").ds) == ["array:1", "array:1.2", "array:1.3"]
+
+
+def test_a_huge_record_is_bounded_before_it_is_tokenized(fast_target, tmp_path, monkeypatch):
+    """Issue 45: a record of megabytes costs prepare no more than --max-length allows. With --overlong drop it is
+    dropped untokenized (it cannot fit: no token covers more than the vocabulary's longest entry); with truncate
+    only its head is tokenized, and the sample equals the whole record's, tokenized and truncated."""
+    from eyas.data.chat import ChatRenderer
+    from eyas.data.prepare import longest_token
+
+    per_token = longest_token(fast_target.tokenizer)
+    words = " ".join(f"w{i % 997}" for i in range(400_000))  # 2.4 MB of text in one reply
+    huge = {"id": "huge", "messages": [{"role": "user", "content": "Say it all."},
+                                       {"role": "assistant", "content": words}]}
+    data = write_lines(tmp_path / "huge.jsonl", [huge, CHATS[1]])
+    seen = []
+    encode = ChatRenderer.encode
+
+    def spy(self, messages, *a, **kw):
+        seen.append(sum(len(m.content) for m in messages))
+        return encode(self, messages, *a, **kw)
+
+    monkeypatch.setattr(ChatRenderer, "encode", spy)
+    s = run(PrepareConfig(target="tiny", data=(data,), out=str(tmp_path / "d"), max_length=64, overlong="drop",
+                          validation=0, quiet=True))
+    assert s["kept"] == 1 and s["dropped_by_reason"]["too-long"]["count"] == 1
+    assert max(seen) < 100  # only the small chat was tokenized
+    seen.clear()
+    run(PrepareConfig(target="tiny", data=(data,), out=str(tmp_path / "t"), max_length=64, validation=0, quiet=True))
+    assert max(seen) == 2 * 64 * per_token  # the head of the huge one, not its 2.4 MB
+    got = {r["id"]: r for r in rows(tmp_path / "t", "train")}["huge"]
+    monkeypatch.setattr(ChatRenderer, "encode", encode)
+    from eyas.data.formats import Conversation, Message
+
+    whole = ChatRenderer(fast_target.tokenizer).encode(
+        Conversation("huge", [Message("user", "Say it all."), Message("assistant", words)], "s").messages)
+    assert got["input_ids"] == whole.input_ids[:64] and got["loss_mask"] == whole.loss_mask[:64]

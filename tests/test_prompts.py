@@ -2,6 +2,7 @@
 the file's rules (filters, resume exactly where it stopped, settings kept) with a scripted sampler."""
 
 import json
+import os
 
 import pytest
 
@@ -95,6 +96,8 @@ def test_other_settings_are_refused_and_overwrite_starts_anew(tmp_path, monkeypa
     with pytest.raises(EyasError, match=r"holds prompts made under other settings: temperature 1.0 then, 0.7 now"):
         run(_cfg(out, num_prompts=4, temperature=0.7))
     assert len(out.read_text().splitlines()) == 2  # nothing written, nothing lost
+    with pytest.raises(EyasError, match="temperature 1.0 then, 0.7 now"):  # issue 45: nothing left to do, and yet
+        run(_cfg(out, num_prompts=2, temperature=0.7))  # those 2 are not "done" under these settings
     run(_cfg(out, num_prompts=1, temperature=0.7, overwrite=True))
     assert len(out.read_text().splitlines()) == 1
     assert json.loads(out.with_name("p.jsonl.settings.json").read_text())["temperature"] == 0.7
@@ -137,12 +140,12 @@ def test_a_torn_last_record_is_dropped_and_the_run_resumes(tmp_path, monkeypatch
 
 
 def test_a_second_writer_is_refused(tmp_path, monkeypatch):
-    from eyas.data.replies import lock_output
+    from eyas.core.lock import hold
 
     monkeypatch.setattr(prompts, "Sampler", Scripted)
     out = tmp_path / "p.jsonl"
-    held = lock_output(out, "prompts")
-    with pytest.raises(EyasError, match="another eyas prompts is writing"):
+    held = hold(out, "prompts")
+    with pytest.raises(EyasError, match=rf"another eyas run is writing {out} \(pid {os.getpid()} on "):
         run(_cfg(out))
     assert not out.exists()
     held.close()

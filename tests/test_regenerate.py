@@ -369,12 +369,12 @@ def test_local_backend_batches_and_resumes(local_tiny, tmp_path):
 
 
 def test_second_writer_is_refused(servers, tmp_path):
-    from eyas.data.regenerate import lock_output
+    from eyas.core.lock import hold
 
     srv = servers()
     data, out = make_data(tmp_path, 2), tmp_path / "out.jsonl"
-    held = lock_output(out)
-    with pytest.raises(EyasError, match="another eyas regenerate"):
+    held = hold(out, "regenerate")
+    with pytest.raises(EyasError, match="another eyas run is writing"):
         run(cfg(data, out, srv.url))
     held.close()
     assert run(cfg(data, out, srv.url))["done"] == 2
@@ -405,8 +405,14 @@ def test_resume_under_other_generation_settings_is_refused_and_overwrite_starts_
     srv = servers()
     data, out = make_data(tmp_path, 6), tmp_path / "out.jsonl"
     assert run(cfg(data, out, srv.url, max_new_tokens=16))["done"] == 6
-    data.write_text(data.read_text() + json.dumps({"question": "one more"}) + "\n")  # ids: file stem + line
     before = out.read_text()
+    for changed, said in ((dict(max_new_tokens=8), "max_new_tokens 16 then, 8 now"),  # issue 45: with nothing left
+                          (dict(max_new_tokens=16, temperature=0.7), "temperature 0.0 then, 0.7 now")):  # to do too
+        with pytest.raises(EyasError, match=said):
+            run(cfg(data, out, srv.url, **changed))
+        assert out.read_text() == before
+    assert run(cfg(data, out, srv.url, max_new_tokens=16))["skipped"] == 6  # the same settings: nothing to do
+    data.write_text(data.read_text() + json.dumps({"question": "one more"}) + "\n")  # ids: file stem + line
     for changed, said in ((dict(max_new_tokens=8), "max_new_tokens 16 then, 8 now"),
                           (dict(max_new_tokens=16, temperature=0.7), "temperature 0.0 then, 0.7 now")):
         with pytest.raises(EyasError, match=said):
@@ -451,3 +457,5 @@ def test_auto_dtype_is_recorded_as_the_dtype_it_chose(local_tiny, tmp_path, monk
     monkeypatch.setattr("eyas.core.precision.native_bf16", lambda device: True)
     with pytest.raises(EyasError, match="dtype"):
         run(RegenerateConfig(**cfg, dtype="auto"))
+    with pytest.raises(EyasError, match="max_new_tokens 3 then, 5 now"):  # every one written: refused all the same
+        run(RegenerateConfig(**{**cfg, "max_new_tokens": 5}, max_samples=2, dtype="float32"))

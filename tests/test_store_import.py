@@ -126,6 +126,11 @@ def test_a_ckpt_with_a_pickled_object_is_refused_and_never_run(world, tmp_path):
     with pytest.raises(EyasError, match=r"data_1\.ckpt: refused: it holds a pickled object"):
         run(StoreImportConfig(source=str(src), store=str(tmp_path / "s"), target="tiny", quiet=True))
     assert not marker.exists()
+    assert not (tmp_path / "s").exists()  # issue 45: nothing left behind to make the next import "not empty"
+    (tmp_path / "empty").mkdir()  # a folder the user made: emptied of what the import wrote, and kept
+    with pytest.raises(EyasError, match="refused: it holds a pickled object"):
+        run(StoreImportConfig(source=str(src), store=str(tmp_path / "empty"), target="tiny", quiet=True))
+    assert (tmp_path / "empty").is_dir() and not any((tmp_path / "empty").iterdir())
     torch.save({"input_ids": [1, 2, 3], "loss_mask": torch.ones(3), "hidden_state": torch.zeros(1, 3, 64),
                 "aux_hidden_state": torch.zeros(1, 3, 192)}, src / "rows_0-2000" / "data_1.ckpt")
     with pytest.raises(EyasError, match="expected a dict of tensors"):

@@ -11,11 +11,13 @@ import json
 import logging
 import os
 import shlex
+import signal
 import sys
+import threading
 
 from eyas import __version__
 from eyas.core.config import add_arguments, from_namespace
-from eyas.core.errors import EyasError, Incomplete, unwritable
+from eyas.core.errors import EyasError, Incomplete, os_failure
 
 SUMMARIES: dict[str, str] = {  # command -> its one line in `eyas --help` (and its --help's description)
     "prepare": "chat data -> tokens + assistant-only loss mask",
@@ -77,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"eyas {__version__}")
         return 0
     cfg = command = None
-    try:
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None  # kill, a scheduler or a dying
+    try:  # launcher stop eyas as Ctrl-C does
         command, rest = _split_command(argv)
         cls, run = command_code(command)
         parser = argparse.ArgumentParser(prog=f"eyas {command}", description=SUMMARIES[command])
@@ -95,15 +99,27 @@ def main(argv: list[str] | None = None) -> int:
     except EyasError as e:
         print(f"eyas: error: {e}", file=sys.stderr)
         return 2
-    except OSError as e:  # a refused write anywhere in a stage: named, not a traceback
-        if (err := unwritable(e)) is None:
+    except Exception as e:  # a refused write, a full disk (also inside safetensors' writer), a file in a folder's
+        if (err := os_failure(e)) is None:  # place: named, not a traceback; anything else is a bug to see whole
             raise
         print(f"eyas: error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"eyas: interrupted; completed work is kept. To resume: {resume_command(command, argv)}",
-              file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        how = "stopped (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+        print(f"eyas: {how}; completed work is kept. To resume: {resume_command(command, argv)}", file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the process is, so that it stops as after Ctrl-C: files closed, the resume hint said."""
+
+
+def _terminated(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    raise Terminated()
 
 
 def entry() -> None:
@@ -129,11 +145,19 @@ def finish(code: int) -> None:
 
 def resume_command(command: str | None, argv: list[str]) -> str:
     """The command line that continues an interrupted run: the same one, and for train with --resume (a train
-    rerun without it is refused, so that two runs never mix in one folder)."""
+    rerun without it is refused, so that two runs never mix in one folder). A rank of a torchrun launch says the
+    launcher and its process count too: a checkpoint resumes under the world size that wrote it."""
     args = list(argv)
     if command == "train" and "--resume" not in args:
         args.append("--resume")
-    return "eyas " + " ".join(shlex.quote(a) for a in args)
+    launcher = "eyas"
+    dist = sys.modules.get("eyas.core.dist")  # loaded by every stage that can run distributed
+    if dist is not None:
+        env = dist.read_env()
+        if env.distributed:
+            nodes = f" --nnodes {env.nodes} (and your rendezvous options)" if env.nodes > 1 else ""
+            launcher = f"torchrun{nodes} --nproc_per_node {env.local_world_size} -m eyas"
+    return launcher + " " + " ".join(shlex.quote(a) for a in args)
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -147,7 +147,7 @@ def from_mapping(cls: type, values: dict, source: str = "arguments") -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     clean = {}
     for k, v in values.items():
-        tp, _ = _unwrap(hints[k])
+        tp, optional = _unwrap(hints[k])
         if typing.get_origin(tp) in (tuple, list) and isinstance(v, list):
             v = tuple(v)
         choices = _choices(tp, fields[k].metadata)
@@ -156,11 +156,43 @@ def from_mapping(cls: type, values: dict, source: str = "arguments") -> Any:
             if v not in choices:
                 raise EyasError(f"dtype {values[k]!r} in {source} is not one eyas knows",
                                 fix=f"use one of {', '.join(choices)} (or bf16/bfloat16, fp32/float32, fp16/float16)")
+        if not (v is None and (optional or fields[k].default is None)):
+            v = _typed(v, tp, choices, f"{source}: {k} = {values[k]!r}", k)
         clean[k] = v
     try:
         return cls(**clean)
     except TypeError as e:
         raise EyasError(f"bad settings in {source}: {e}", fix="check the names and types of the settings") from None
+
+
+_KIND = {bool: ("true or false", "true"), int: ("a whole number", "8"), float: ("a number", "0.5"),
+         str: ("a string", '"text"')}
+
+
+def _typed(value: Any, tp: Any, choices: tuple | None, where: str, key: str) -> Any:
+    """`value` as the field's type (an int is a float's value too), or an EyasError naming the key, where it was
+    given, what it must be and an example: "four" for an int, 256.7 for an int, 1 for a bool are refused."""
+    if choices is not None:
+        if value not in choices:
+            raise EyasError(f"{where}: not one of {', '.join(map(str, choices))}",
+                            fix=f"write {key} = {json.dumps(choices[0])}")
+        return value
+    origin = typing.get_origin(tp)
+    if origin in (tuple, list):
+        if not isinstance(value, (tuple, list)):
+            raise EyasError(f"{where}: a list is expected", fix=f"write {key} = [...]")
+        args = [a for a in typing.get_args(tp) if a is not Ellipsis]
+        inner = args[0] if args else Any
+        return tuple(_typed(x, inner, _choices(inner, {}), f"{where}, element {x!r}", key) for x in value)
+    if tp not in _KIND:
+        return value
+    what, example = _KIND[tp]
+    ok = (isinstance(value, bool) if tp is bool else isinstance(value, tp) and not isinstance(value, bool)
+          or (tp is float and isinstance(value, int) and not isinstance(value, bool)))
+    if not ok:
+        raise EyasError(f"{where}: a value of type {type(value).__name__}, not {what}",
+                        fix=f"write {key} = {example}")
+    return float(value) if tp is float else value
 
 
 def from_namespace(cls: type, ns: argparse.Namespace) -> Any:

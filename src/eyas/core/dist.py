@@ -7,16 +7,21 @@ rank makes the survivors fail with a clear error instead of hanging.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import datetime
 import os
+import signal
 from collections.abc import Callable
+from pathlib import Path
+from typing import IO
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from eyas.core.errors import EyasError
+from eyas.core.lock import hold
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,10 +101,24 @@ def init(device: str = "auto", timeout_s: float = 600.0) -> DistEnv:
         torch.cuda.set_device(torch.device(dev))
     if env.world_size == 1:
         return dataclasses.replace(env, device=dev)
+    die_with_launcher()
     backend = "nccl" if dev.startswith("cuda") else "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return dataclasses.replace(env, device=dev, backend=backend)
+
+
+def die_with_launcher() -> None:
+    """A rank ends when the launcher that started it does: a torchrun killed by SIGKILL cannot stop its ranks, which
+    would go on writing the run's files beside a resumed run. Linux's parent-death signal sends this process
+    SIGTERM then (eyas.cli turns it into an orderly stop); elsewhere nothing is set."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the launcher died before the signal was set
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 # What a collective says when another rank is gone (gloo: its socket closed or reset; any backend: the timeout)
@@ -202,3 +221,11 @@ def agree(env, fn: Callable[[], dict]) -> dict:
     if "error" in result:
         raise EyasError(*result["error"])
     return result["ok"]
+
+
+def hold_output(env, out: Path, command: str) -> IO | None:
+    """Rank 0 takes `out`'s lock for every rank of the run (eyas.core.lock); a refusal reaches every rank, so a
+    second launch on the same output stops on all of its ranks. -> the lock on rank 0 (close it at the end)."""
+    held: list[IO] = []
+    agree(env, lambda: held.append(hold(out, command)) is None)
+    return held[0] if held else None

@@ -56,3 +56,26 @@ def disk_full(e: BaseException) -> str | None:
         m = re.search(r"\(os error (\d+)\)", str(e))
         code = int(m.group(1)) if m else None
     return _DISK_FULL.get(code)
+
+
+_NOT_A_PLACE = {errno.ENOTDIR: "a part of that path is a file, not a folder",
+                errno.EEXIST: "a file of that name is in the way", errno.EISDIR: "it is a folder, not a file",
+                errno.ENOENT: "it does not exist (or a link on the way points nowhere)",
+                errno.ELOOP: "links on that path point at each other"}
+
+
+def os_failure(e: BaseException) -> EyasError | None:
+    """The clear error for a file-system failure a stage did not expect, naming the path: a write refused
+    (`unwritable`), a disk full, a file where a folder goes. None for an error without a path or another cause."""
+    if (err := unwritable(e)) is not None:
+        return err
+    path = getattr(e, "filename", None)
+    if (why := disk_full(e)) is not None:
+        return EyasError(f"cannot write {path or 'the output'}: {why}", "the output's disk is full",
+                         "free space on that disk (or write elsewhere), then rerun the same command: completed work "
+                         "is kept")
+    why = _NOT_A_PLACE.get(getattr(e, "errno", None))
+    if why is None or path is None:
+        return None
+    return EyasError(f"cannot use {path}: {why}", f"{type(e).__name__}: {getattr(e, 'strerror', '') or e}",
+                     "give an output path in an existing folder, with no file or broken link in its way")

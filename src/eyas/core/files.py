@@ -8,6 +8,7 @@ wrong with it (with the line for a syntax error) and the fix the caller gives, n
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -90,13 +91,36 @@ def staged_output(out: Path, command: str, overwrite: bool, legacy=None) -> Path
     return tmp
 
 
+@contextlib.contextmanager
+def staged(out: Path, command: str, overwrite: bool, legacy=None):
+    """`with staged(out, ...) as tmp:` write the output into `tmp`; at the end of the block it is published onto
+    `out` (`publish_output`). On any failure, a full disk included, `tmp` is removed and `out` is as it was."""
+    tmp = staged_output(out, command, overwrite, legacy)
+    try:
+        yield tmp
+        publish_output(tmp, out, command)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def check_replaceable(out: Path, command: str, overwrite: bool, legacy=None) -> None:
     if not out.exists():
         return
     if not overwrite:
         raise EyasError(f"{out} already exists", "eyas never overwrites a folder unasked",
                         "choose another --out, or pass --overwrite")
-    if out.is_dir() and (not any(out.iterdir()) or output_command(out) == command or (legacy and legacy(out))):
+    if out.is_dir() and output_command(out) == command:
+        foreign = foreign_files(out)
+        if foreign:
+            raise EyasError(f"--overwrite refuses to replace {out}: it holds {len(foreign)} file(s) `eyas {command}` "
+                            f"did not write, such as {foreign[0]}",
+                            "--overwrite replaces exactly what the command wrote there (the listing in "
+                            f"{OUTPUT_MARKER}), and nothing added or changed since",
+                            f"move {', '.join(map(str, foreign[:3]))}{' ...' if len(foreign) > 3 else ''} out of "
+                            f"{out} first, or choose another --out")
+        return
+    if out.is_dir() and (not any(out.iterdir()) or (legacy and legacy(out))):
         return
     raise EyasError(f"--overwrite refuses to replace {out}",
                     f"it is not a folder `eyas {command}` wrote (no {OUTPUT_MARKER} naming it): --overwrite replaces "
@@ -115,10 +139,30 @@ def output_command(folder: Path) -> str | None:
         return None
 
 
+def _listing(folder: Path) -> dict[str, int]:
+    """relative path -> size of every file under `folder` but the marker (a link counts as a file)."""
+    return {p.relative_to(folder).as_posix(): (p.lstat().st_size if p.is_symlink() else p.stat().st_size)
+            for p in sorted(folder.rglob("*")) if (p.is_file() or p.is_symlink()) and p.name != OUTPUT_MARKER}
+
+
+def foreign_files(folder: Path) -> list[Path]:
+    """Files of a command's output folder that its marker's listing does not hold as they are now (added, or
+    changed in size, since). A marker written before listings (an older eyas) vouches for the whole folder."""
+    try:
+        files = json.loads((folder / OUTPUT_MARKER).read_text(encoding="utf-8")).get("files")
+    except (OSError, ValueError, AttributeError):
+        files = None
+    if not isinstance(files, dict):
+        return []
+    return [folder / rel for rel, size in _listing(folder).items() if files.get(rel) != size]
+
+
 def publish_output(tmp: Path, out: Path, command: str) -> None:
-    """Mark `tmp` as `command`'s output, flush it to disk and move it onto `out`; an old `out` (checked by
-    `staged_output`) is removed only once the new one is in place."""
-    write_json(tmp / OUTPUT_MARKER, {"command": command, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    """Mark `tmp` as `command`'s output (the marker lists every file it holds, so that a later --overwrite removes
+    exactly those), flush it to disk and move it onto `out`; an old `out` (checked by `staged_output`) is removed
+    only once the new one is in place."""
+    write_json(tmp / OUTPUT_MARKER, {"command": command, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                     "files": _listing(tmp)})
     for p in tmp.rglob("*"):
         if p.is_file():
             with open(p, "rb") as f:

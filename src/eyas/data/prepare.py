@@ -26,6 +26,7 @@ import numpy as np
 from eyas.core.config import StageConfig, check, opt
 from eyas.core.errors import EyasError
 from eyas.core.files import check_replaceable, publish_output, staged_output, write_json
+from eyas.core.lock import hold
 from eyas.core.log import console, fmt_duration, fmt_int
 from eyas.core.options import overwrite_opt, target_opt, trust_remote_code_opt, trusted_code_line
 from eyas.core.target import load_tokenizer
@@ -122,8 +123,37 @@ class _Writer:
         shutil.rmtree(self.folder)
 
 
-def _encode(conv: Conversation, renderer, cfg: PrepareConfig, notes: Issues) -> tuple[list[int], list[int]]:
-    """(input_ids, loss_mask) of one conversation; FormatError when it must be dropped."""
+def longest_token(tokenizer) -> int:
+    """The most characters one token of `tokenizer` covers (its longest vocabulary entry): a text of more than
+    N times this many characters needs more than N tokens."""
+    return max(1, max(len(t) for t in tokenizer.get_vocab()))
+
+
+def bounded(conv: Conversation, limit: int) -> Conversation:
+    """`conv` with its message texts cut once `limit` characters are reached (later messages dropped): what lies
+    past them cannot reach the first tokens that `limit` was computed for, and never gets tokenized."""
+    kept, left = [], limit
+    for m in conv.messages:
+        if left <= 0:
+            break
+        kept.append(m if len(m.content) <= left else dataclasses.replace(m, content=m.content[:left]))
+        left -= len(m.content)
+    return dataclasses.replace(conv, messages=kept)
+
+
+def _encode(conv: Conversation, renderer, cfg: PrepareConfig, notes: Issues, per_token: int
+            ) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) of one conversation; FormatError when it must be dropped. The work is bounded before
+    tokenizing: a conversation of more than --max-length x `per_token` characters cannot fit (dropped untokenized
+    with --overlong drop), and with truncate only its first 2 x that many characters are tokenized (the margin keeps
+    the cut's word, whose tokens the cut may change, beyond the tokens kept)."""
+    chars = sum(len(m.content) for m in conv.messages)
+    if chars > cfg.max_length * per_token and cfg.overlong == "drop":
+        raise FormatError("too-long", f"{chars:,} characters cannot fit in --max-length {cfg.max_length} tokens "
+                                      f"(a token covers at most {per_token})")
+    cut = chars > 2 * cfg.max_length * per_token
+    if cut:
+        conv = bounded(conv, 2 * cfg.max_length * per_token)
     enc = renderer.encode(conv.messages)
     ids, mask = enc.input_ids, enc.loss_mask
     if len(ids) > cfg.max_length:
@@ -132,7 +162,7 @@ def _encode(conv: Conversation, renderer, cfg: PrepareConfig, notes: Issues) -> 
         ids, mask = ids[: cfg.max_length], mask[: cfg.max_length]
         if conv.has_assistant and not any(mask):
             raise FormatError("too-long", f"no reply token within the first {cfg.max_length} tokens")
-        notes.add("truncated", conv.where, f"{len(enc.input_ids)} -> {cfg.max_length} tokens")
+        notes.add("truncated", conv.where, f"{len(enc.input_ids)}{'+' if cut else ''} -> {cfg.max_length} tokens")
     if not conv.has_assistant:
         notes.add(PROMPT_ONLY, conv.where, "no assistant reply: regenerate it first")
     return ids, mask
@@ -143,6 +173,7 @@ def _process(cfg: PrepareConfig, renderer, writer: _Writer, dropped: Issues, not
     seen_ids: set[str] = set()
     seen_content: set[bytes] = set()
     read = late = 0  # conversations parsed; of them dropped here (the rest of `dropped` never parsed)
+    per_token = longest_token(renderer.tokenizer)
     bar = con.progress(desc="prepare", unit="conv")
     for conv in read_conversations(cfg.data, dropped):
         read += 1
@@ -156,7 +187,7 @@ def _process(cfg: PrepareConfig, renderer, writer: _Writer, dropped: Issues, not
                     raise FormatError("duplicate-content", f"id {conv.id!r} repeats an earlier conversation")
                 seen_content.add(key)
             seen_ids.add(conv.id)
-            ids, mask = _encode(conv, renderer, cfg, notes)
+            ids, mask = _encode(conv, renderer, cfg, notes, per_token)
         except FormatError as e:
             dropped.add(e.reason, conv.where, e.detail)
             late += 1
@@ -174,6 +205,12 @@ def _legacy_dataset(out: Path) -> bool:
 
 
 def run(cfg: PrepareConfig) -> dict:
+    """The stage, holding its output's lock (eyas.core.lock) throughout."""
+    with hold(Path(cfg.out), "prepare"):
+        return _run(cfg)
+
+
+def _run(cfg: PrepareConfig) -> dict:
     con = console(0, cfg.quiet, cfg.json)
     out = Path(cfg.out)
     check_replaceable(out, "prepare", cfg.overwrite, _legacy_dataset)

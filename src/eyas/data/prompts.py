@@ -33,6 +33,7 @@ import torch
 from eyas.core.config import StageConfig, check, opt
 from eyas.core.dist import pick_device
 from eyas.core.errors import EyasError
+from eyas.core.lock import hold
 from eyas.core.log import console, fmt_duration, fmt_int
 from eyas.core.options import (
     Dtype,
@@ -47,7 +48,7 @@ from eyas.core.precision import choose_dtype
 from eyas.core.target import load_target
 from eyas.core.threads import Threads
 from eyas.data.chat import ChatRenderer
-from eyas.data.replies import keep_settings, lock_output, read_done, start_anew
+from eyas.data.replies import keep_settings, read_done, start_anew
 from eyas.models.generation import BatchGenerator
 from eyas.models.llama import supports
 
@@ -170,7 +171,7 @@ def written(out: Path) -> tuple[int, tuple[int, int], set[str]]:
 
 def run(cfg: PromptsConfig) -> dict:
     out = Path(cfg.out)
-    lock = lock_output(out, "prompts")
+    lock = hold(out, "prompts", kind="file")
     try:
         return _run(cfg, out)
     finally:
@@ -190,8 +191,8 @@ def _run(cfg: PromptsConfig, out: Path) -> dict:
     con.print(f"prompts: {fmt_int(todo)} to write, {fmt_int(have)} already in {out}")
     dropped = {"cut at --max-new-tokens": 0, "shorter than --min-chars": 0, "duplicate": 0}
     t0, tokens, kept = time.perf_counter(), 0, 0
+    keep_settings(out, settings(cfg, dtype), con, "prompts")  # a finished file too: "done" under these settings only
     if todo:
-        keep_settings(out, settings(cfg, dtype), con, "prompts")
         sampler = Sampler(cfg, dtype, con)
         bar = con.progress(total=todo, desc="prompts", unit="prompt")
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,7 @@ from pathlib import Path
 from eyas.core.config import StageConfig, check, opt
 from eyas.core.dist import on_gpu, pick_device
 from eyas.core.errors import EyasError, Incomplete
+from eyas.core.lock import hold
 from eyas.core.log import console, fmt_duration, fmt_int
 from eyas.core.options import (
     Dtype,
@@ -43,7 +44,15 @@ from eyas.core.options import (
 from eyas.core.precision import choose_dtype
 from eyas.data.formats import Conversation, Issues
 from eyas.data.local import LocalBackend, answer_here
-from eyas.data.replies import LEFT_OUT, TOO_LONG, Sink, keep_settings, lock_output, read_done, start_anew
+from eyas.data.replies import (
+    LEFT_OUT,
+    TOO_LONG,
+    Sink,
+    keep_settings,
+    read_done,
+    recorded_settings,
+    start_anew,
+)
 from eyas.data.server import SERVER_CONCURRENCY, ServerBackend, run_server
 from eyas.data.sources import data_opt, read_conversations, resolve_data
 from eyas.data.vllm_backend import ENGINE_CONCURRENCY, EngineBackend, SharedEngine
@@ -161,7 +170,7 @@ def run(cfg: RegenerateConfig, shared: SharedEngine | None = None) -> dict:
         cfg = dataclasses.replace(cfg, dtype=dtype)
         if why:
             con.print(why)
-    lock = lock_output(out)
+    lock = hold(out, "regenerate", kind="file")
     try:
         return _run(cfg, con, out, shared)
     finally:
@@ -197,13 +206,14 @@ def _run(cfg: RegenerateConfig, con, out: Path, shared: SharedEngine | None) -> 
     todo, skipped = pending(cfg, done, issues)
     t0 = time.perf_counter()
     backend = None
-    if todo:  # nothing to add: nothing can be mixed
-        if cfg.server:  # the model's name comes from the server
-            backend = ServerBackend(cfg, con)
-            check_settings(cfg, out, backend.name, con)
-        else:  # checked before minutes go into loading the target or starting an engine
-            check_settings(cfg, out, cfg.target, con)
-            backend = EngineBackend(cfg, con, shared) if cfg.engine == "vllm" else local_backend(cfg, con, len(todo))
+    if not todo:  # nothing to add, and yet a file made under other settings is not "done" under these
+        check_settings(cfg, out, (recorded_settings(out) or {}).get("model", "") if cfg.server else cfg.target, con)
+    elif cfg.server:  # the model's name comes from the server
+        backend = ServerBackend(cfg, con)
+        check_settings(cfg, out, backend.name, con)
+    else:  # checked before minutes go into loading the target or starting an engine
+        check_settings(cfg, out, cfg.target, con)
+        backend = EngineBackend(cfg, con, shared) if cfg.engine == "vllm" else local_backend(cfg, con, len(todo))
     con.print(f"regenerate: {fmt_int(len(todo))} conversations to do, {fmt_int(skipped)} already in {out}")
     bar = con.progress(total=len(todo), desc="regenerate", unit="conv")
     sink = Sink(out, bar)

@@ -197,6 +197,13 @@ def start_anew(out: Path, own=None) -> None:
     settings_file(out).unlink(missing_ok=True)
 
 
+def recorded_settings(out: Path) -> dict | None:
+    """The settings `out` was written under (OUT.settings.json), or None when none are recorded."""
+    side = settings_file(out)
+    return read_json(side, f"remove {side} and {out} to start anew, or choose another --out") if side.is_file() \
+        else None
+
+
 def keep_settings(out: Path, mine: dict, con, what: str) -> None:
     """Refuse to add `what` (replies, prompts) to `out` under other settings than those it was written with
     (OUT.settings.json; --overwrite starts it anew); record the settings of a new output."""
@@ -215,18 +222,3 @@ def keep_settings(out: Path, mine: dict, con, what: str) -> None:
         con.print(f"{out}: written by an older eyas that did not record its settings; resuming under these "
                   f"({side} now records them)", force=True)
     write_json(side, mine)
-
-
-def lock_output(out: Path, command: str = "regenerate"):
-    """An exclusive lock beside `out` for the run (the kernel drops it when the process dies, even by SIGKILL)."""
-    import fcntl  # POSIX only: eyas runs on Linux; imported here so that the module reads anywhere
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    f = open(out.with_name(f".{out.name}.lock"), "w")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        raise EyasError(f"another eyas {command} is writing {out}", "two writers would mix their lines in one file",
-                        "wait for it to finish, or choose another --out") from None
-    return f

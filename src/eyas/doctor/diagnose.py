@@ -149,7 +149,28 @@ def render(rep: dict) -> list[str]:
     out += [f"    would decide it: {d}" for d in rep["decide_by"]]
     if rep["steps_found"]:
         out += _render_progress(rep)
-    out += [f"  anomaly ({a['kind']}): {a['message']}" for a in rep["anomalies"]] or ["  anomalies: none"]
+    out += _render_anomalies(rep["anomalies"])
+    return out
+
+
+SHOWN_PER_KIND = 3  # anomalies of one kind printed before the rest are counted (--json lists them all)
+
+
+def _render_anomalies(anomalies: list[dict]) -> list[str]:
+    """Anomalies grouped by kind in the order first seen: the first few of each, then how many more and where."""
+    if not anomalies:
+        return ["  anomalies: none"]
+    kinds: dict[str, list[dict]] = {}
+    for a in anomalies:
+        kinds.setdefault(a["kind"], []).append(a)
+    out = []
+    for kind, group in kinds.items():
+        out += [f"  anomaly ({kind}): {a['message']}" for a in group[:SHOWN_PER_KIND]]
+        rest = group[SHOWN_PER_KIND:]
+        if rest:
+            lines = [a["line"] for a in rest if a.get("line")]
+            where = f", lines {min(lines):,}-{max(lines):,}" if lines else ""
+            out.append(f"  anomaly ({kind}): {len(rest):,} more of this kind{where} (--json lists every one)")
     return out
 
 

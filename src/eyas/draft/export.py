@@ -22,17 +22,18 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from eyas.core.config import StageConfig, check, opt
 from eyas.core.errors import EyasError
-from eyas.core.files import check_replaceable, publish_output, read_json, staged_output, write_json
+from eyas.core.files import check_replaceable, read_json, staged, write_json
+from eyas.core.lock import hold
 from eyas.core.log import console, fmt_bytes
 from eyas.core.options import Dtype, dtype_opt, overwrite_opt
 from eyas.core.paths import inside
 from eyas.core.precision import FULL
 from eyas.core.target import BUILTINS, TINY, hub_id, resolve_source
-from eyas.draft.checkpoint import CONFIG_FILE, WEIGHTS_FILE
+from eyas.draft.checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_tensors, read_checked_json, tensors_digest
 from eyas.draft.model import DraftConfig, Eagle3Draft
 
 FORMATS = ("eagle3", "speculators")
@@ -188,7 +189,9 @@ def speculators_config(dc: DraftConfig, dtype: str, verifier: tuple[str | None, 
 
 # -- reading and writing folders ---------------------------------------------------------------------------------
 def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    """model.safetensors, or the shards a model.safetensors.index.json lists. Pickles are refused."""
+    """model.safetensors, or the shards a model.safetensors.index.json lists, each checked against the checksum it
+    records (eyas's own files; a file without one is read as it is). Pickles are refused; a file cut short or not
+    safetensors at all is an EyasError naming it."""
 
     index = folder / "model.safetensors.index.json"
     files = (sorted(set(read_json(index, DRAFT_FIX)["weight_map"].values()), key=str) if index.is_file()
@@ -202,13 +205,13 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
                         "convert the weights to model.safetensors (safetensors.torch.save_file)")
     out: dict[str, torch.Tensor] = {}
     for name in files:
-        out.update(load_file(str(folder / name)))
+        out.update(load_tensors(folder / name, DRAFT_FIX))
     return out
 
 
 def read_checkpoint(folder: Path) -> tuple[dict, DraftConfig, dict[str, torch.Tensor]]:
     """(config.json, DraftConfig, weights) of an eyas checkpoint, checked against Eagle3Draft's own state dict."""
-    meta = read_json(folder / CONFIG_FILE, DRAFT_FIX)
+    meta = read_checked_json(folder / CONFIG_FILE, DRAFT_FIX)
     if "eyas_draft" not in meta:
         raise EyasError(f"{folder / CONFIG_FILE} has no 'eyas_draft' section", "it is not an eyas draft checkpoint",
                         "export a training output's final/ folder, or `eyas import` a foreign draft first")
@@ -270,6 +273,12 @@ def resolve_verifier(spec: str, identity: dict) -> tuple[str | None, list[str]]:
 
 
 def run(cfg: ExportConfig) -> dict:
+    """The stage, holding its output's lock (eyas.core.lock) throughout."""
+    with hold(cfg.out_dir(), "export"):
+        return _run(cfg)
+
+
+def _run(cfg: ExportConfig) -> dict:
     con = console(0, cfg.quiet, cfg.json)
     src, out = Path(cfg.checkpoint), cfg.out_dir()
     meta, dc, state = read_checkpoint(src)
@@ -291,11 +300,12 @@ def run(cfg: ExportConfig) -> dict:
         config = speculators_config(dc, dtype, verifier, cfg.speculative_tokens, prov)
     check_config(cfg.format, config, dc, str(out))
 
-    tmp = staged_output(out, "export", cfg.overwrite)
-    save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "producer": "eyas"})
-    write_json(tmp / CONFIG_FILE, config)
-    (tmp / "README.md").write_text(model_card(cfg.format, dc, meta, verifier[0]), encoding="utf-8")
-    publish_output(tmp, out, "export")
+    with staged(out, "export", cfg.overwrite) as tmp:
+        # the checksum eyas import checks (the engines read only "format")
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "producer": "eyas",
+                                                              "checksum": tensors_digest(tensors)})
+        write_json(tmp / CONFIG_FILE, config)
+        (tmp / "README.md").write_text(model_card(cfg.format, dc, meta, verifier[0]), encoding="utf-8")
     size = (out / WEIGHTS_FILE).stat().st_size
     summary = {"format": cfg.format, "out": str(out), "tensors": len(tensors), "bytes": size, "dtype": dtype,
                "draft_vocab_size": dc.draft_vocab_size, "vllm_layer_ids": list(dc.feature_layers),

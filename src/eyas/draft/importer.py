@@ -11,12 +11,13 @@ import torch
 
 from eyas.core.config import StageConfig, check, opt
 from eyas.core.errors import EyasError
-from eyas.core.files import check_replaceable, publish_output, read_json, staged_output
+from eyas.core.files import check_replaceable, staged
+from eyas.core.lock import hold
 from eyas.core.log import console
 from eyas.core.options import overwrite_opt, target_opt, trust_remote_code_opt, trusted_code_line
 from eyas.core.target import default_feature_layers
 from eyas.core.weights import load_target_shell, read_module
-from eyas.draft.checkpoint import CONFIG_FILE, save_draft
+from eyas.draft.checkpoint import CONFIG_FILE, read_checked_json, save_draft
 from eyas.draft.export import (
     DRAFT_FIX,
     IGNORED_KEYS,
@@ -162,9 +163,15 @@ def complete(t: dict[str, torch.Tensor], dc: DraftConfig, target, where: Path) -
 
 
 def run_import(cfg: ImportConfig) -> dict:
+    """The stage, holding its output's lock (eyas.core.lock) throughout."""
+    with hold(cfg.out_dir(), "import"):
+        return _import(cfg)
+
+
+def _import(cfg: ImportConfig) -> dict:
     con = console(0, cfg.quiet, cfg.json)
     src, out = Path(cfg.source), cfg.out_dir()
-    raw = read_json(src / CONFIG_FILE, DRAFT_FIX)
+    raw = read_checked_json(src / CONFIG_FILE, DRAFT_FIX)
     fmt = detect_format(raw, src)
     layer = raw["transformer_layer_config"] if fmt == "speculators" else raw
     tensors = normalise_keys(read_safetensors(src), src)
@@ -182,11 +189,10 @@ def run_import(cfg: ImportConfig) -> dict:
           f"pass the --target it was trained for (given: {cfg.target})")
     model = Eagle3Draft(dc)
     model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}, strict=True)
-    tmp = staged_output(out, "import", cfg.overwrite)
     extra = {k: prov[k] for k in ("data", "training", "evaluation") if k in prov}
-    save_draft(model, tmp, extra={**extra, "imported_from": {"path": str(src), "format": fmt, "layers_from": how,
-                                                                 "embed_tokens_from": embed}})
-    publish_output(tmp, out, "import")
+    with staged(out, "import", cfg.overwrite) as tmp:
+        save_draft(model, tmp, extra={**extra, "imported_from": {"path": str(src), "format": fmt, "layers_from": how,
+                                                                     "embed_tokens_from": embed}})
     summary = {"source": str(src), "format": fmt, "out": str(out), "feature_layers": list(dc.feature_layers),
                "layers_from": how, "embed_tokens_from": embed, "draft_vocab_size": dc.draft_vocab_size}
     con.summary(f"import: {fmt} draft {src} -> eyas checkpoint {out} (features {list(dc.feature_layers)} from {how}; "

@@ -108,30 +108,34 @@ def demo_stages(cfg: DemoConfig, run: Path) -> list[Stage]:
     ]
 
 
-def _figures(configs: list[dict], drafter: str) -> str:
-    """`tau T, S.SSx` of a drafter's fastest configuration (the draft's best chain), or "" when it did not run."""
+def _best(configs: list[dict], drafter: str) -> dict | None:
+    """A drafter's fastest configuration (the draft's best chain), or None when it did not run."""
     runs = [c for c in configs if c.get("drafter") == drafter]
-    if not runs:
-        return ""
-    best = max(runs, key=lambda c: c.get("speedup") or 0.0)
-    k = f" (chain {best['k']})" if drafter == "eagle3" else ""
-    return f"tau {best['tau']:.2f}, {best['speedup']:.2f}x{k}"
+    return max(runs, key=lambda c: c.get("speedup") or 0.0) if runs else None
 
 
-def _bench_line(ev: dict) -> tuple[str, float] | None:
-    """One benchmark's line: the draft, the hybrid and prompt lookup; and the draft's best speedup."""
+DRAFTERS = (("draft", "eagle3"), ("hybrid", "hybrid"), ("prompt lookup", "prompt-lookup"))
+BENCHES = {"gsm8k": "GSM8K test", "mt_bench": "MT-Bench"}
+
+
+def _bench_row(ev: dict) -> tuple[str, str, dict[str, tuple[float, float]]] | None:
+    """One benchmark's line (the draft, the hybrid and prompt lookup), its short name, and each one's tau and
+    speedup."""
     configs = ev.get("configs") or []
-    drafted = [c.get("speedup") or 0.0 for c in configs if c.get("drafter") == "eagle3"]
-    if not drafted:
+    if _best(configs, "eagle3") is None:
         return None
     bench = ev.get("bench") or {}
-    what = {"gsm8k": "GSM8K test", "mt_bench": "MT-Bench"}.get(bench.get("name"), str(bench.get("name")))
+    what = BENCHES.get(bench.get("name"), str(bench.get("name")))
     cats = ", ".join(bench.get("categories") or [])
     label = f"{what} ({bench.get('prompts')} prompts" + (f", {cats}" if cats and cats != "gsm8k" else "") + ")"
-    cells = [f"{name} {fig}" for name, fig in (("draft", _figures(configs, "eagle3")),
-                                               ("hybrid", _figures(configs, "hybrid")),
-                                               ("prompt lookup", _figures(configs, "prompt-lookup"))) if fig]
-    return f"  {label}: " + "; ".join(cells), max(drafted)
+    cells, speed = [], {}  # name -> (tau, speedup)
+    for name, drafter in DRAFTERS:
+        if (b := _best(configs, drafter)) is not None:
+            chain = f" (chain {b['k']})" if drafter == "eagle3" else ""
+            cells.append(f"{name} tau {b['tau']:.2f}, {b['speedup']:.2f}x{chain}")
+            speed[name] = (b["tau"] or 0.0, b["speedup"] or 0.0)
+    short = what + (f" {cats}" if cats and cats != "gsm8k" else "")
+    return f"  {label}: " + "; ".join(cells), short, speed
 
 
 def _final_lines(summaries: dict, run: Path) -> list[str]:
@@ -139,41 +143,62 @@ def _final_lines(summaries: dict, run: Path) -> list[str]:
     all of them, what they say, and the report's path."""
     lines = [f"run folder: {run}"]
     evals = {name: s for name, s in summaries.items() if s and isinstance(s, dict) and "configs" in s}
-    rows = {name: row for name, s in evals.items() if (row := _bench_line(s)) is not None}
+    rows = [row for s in evals.values() if (row := _bench_row(s)) is not None]
     if rows:
         checked = [c["lossless"] for s in evals.values() for c in s["configs"]
                    if (c.get("lossless") or {}).get("checked")]
         words = {lossless_word(x) for x in checked}
         verdict = ("not checked" if not checked else "NO" if "NO" in words else "yes" if words == {"yes"}
                    else "yes (every token the target's top-1; near-ties rounded otherwise than plain greedy)")
-        kept = ((summaries.get("prepare") or {}).get("samples") or {}).get("train")
-        trained = f" of the draft trained on {kept:,} conversations" if kept else ""
+        prepared = summaries.get("prepare") or {}
+        kept = (prepared.get("samples") or {}).get("train")
+        data = ", ".join(Path(str(d)).stem for d in prepared.get("data") or [])
+        trained = f" of the draft trained on {kept:,} conversations" + (f" ({data})" if data else "") if kept else ""
         lines.append(f"acceptance length tau and speedup over plain greedy decoding{trained}, beside prompt lookup "
                      f"and the hybrid of both (lossless: {verdict}):")
-        lines += [row for row, _ in rows.values()]
-        lines.append(_verdict(rows))
+        lines += [line for line, _, _ in rows]
+        lines.append(_verdict([(short, speed) for _, short, speed in rows], kept))
     rep = summaries.get("report") or {}
     if rep.get("path"):
         lines.append(f"report: {rep['path']}")
     return lines
 
 
-PAYS = 1.10  # a draft "pays" on a benchmark where its best chain is at least this much faster than greedy
-RECIPE = "docs/recipe.md trains one on broad data (eyas run examples/smollm2-recipe.toml)"
+PAYS = 1.10  # a drafter "pays" on a benchmark where it is at least this much faster than plain greedy decoding
+RECIPE = "docs/recipe.md trains a draft on broad data (eyas run examples/smollm2-recipe.toml)"
 
 
-def _verdict(rows: dict[str, tuple[str, float]]) -> str:
-    """What the figures say, from the figures: where the draft pays and where it does not."""
-    pays = {name for name, (_, speedup) in rows.items() if speedup >= PAYS}
-    like, unlike = "evaluate-gsm8k", "evaluate"  # the data the demo's draft resembles, and the data it does not
-    if like in pays and unlike not in pays:
-        return ("A few hundred conversations teach the draft the kind of text they hold (GSM8K) and not the rest "
-                f"(MT-Bench writing), where prompt lookup or the hybrid does better; {RECIPE}.")
-    if pays:
-        named = " and ".join({like: "GSM8K", unlike: "MT-Bench"}.get(n, n) for n in rows if n in pays)
-        return f"The draft pays (at least {PAYS:.2f}x over greedy) on {named}; {RECIPE}."
-    return ("A few hundred conversations do not make a draft that pays on these prompts: the demo shows the pipeline "
-            f"and proves its figures; {RECIPE}.")
+def _verdict(rows: list[tuple[str, dict[str, tuple[float, float]]]], kept: int | None = None) -> str:
+    """What the figures say, drawn from them alone: where the draft pays, whether prompt lookup (no training) does
+    better, and where the hybrid of both does best."""
+
+    def named(benches: list[str]) -> str:
+        return " and ".join(benches) if benches else "none"
+
+    speed = [(b, {k: v[1] for k, v in s.items()}) for b, s in rows]
+    draft = [(b, s["draft"]) for b, s in speed]
+    pays = [b for b, x in draft if x >= PAYS]
+    rest = [b for b, x in draft if x < PAYS]
+    figures = {b: f"{x:.2f}x" for b, x in draft}
+    if pays and rest:
+        said = (f"The draft alone pays on {named([f'{b} ({figures[b]})' for b in pays])} and not on "
+                f"{named([f'{b} ({figures[b]})' for b in rest])}.")
+    elif pays:
+        said = f"The draft alone pays on {named([f'{b} ({figures[b]})' for b in pays])}."
+    else:
+        said = f"The draft alone does not pay yet ({', '.join(f'{b} {figures[b]}' for b, _ in draft)})."
+    lookup_better = [b for b, s in speed if s.get("prompt lookup", 0.0) > s["draft"]]
+    if lookup_better:
+        said += f" Prompt lookup, which needs no training, does better on {named(lookup_better)}."
+    # the hybrid adds to prompt lookup where it is fastest and accepts more (its own tau, not its pricing alone)
+    no = (0.0, 0.0)
+    hybrid_best = [b for b, s in rows if s.get("hybrid", no)[1] > max(s["draft"][1], s.get("prompt lookup", no)[1])
+                   and s.get("hybrid", no)[0] > s.get("prompt lookup", no)[0]]
+    if hybrid_best:
+        said += (f" The hybrid, taking each round from the draft or prompt lookup, is fastest on "
+                 f"{named(hybrid_best)}, where the draft's tokens add to prompt lookup's.")
+    small = f" {kept:,} conversations and minutes of training buy that much;" if kept and kept < 1000 else ""
+    return f"{said}{small} {RECIPE}."
 
 
 def run(cfg: DemoConfig) -> dict:
@@ -196,7 +221,10 @@ def stages_from_toml(doc: dict, run: Path, source: str) -> list[Stage]:
             raise EyasError(f"{source}: [{name}] is not a table", fix="write each stage as a [table] of settings")
         table = dict(table)
         command = table.pop("command", name)
-        nproc = int(table.pop("nproc", 1))
+        nproc = table.pop("nproc", 1)
+        if isinstance(nproc, bool) or not isinstance(nproc, int) or not 1 <= nproc <= 4096:
+            raise EyasError(f"{source}: [{name}] nproc = {nproc!r} is not a process count",
+                            fix="write nproc = N, a whole number from 1 (one process) to the ranks it runs on")
         if command not in COMMANDS:
             raise EyasError(f"{source}: [{name}] names no eyas command ({command!r})",
                             fix=f"name the table after a command or add command = one of {', '.join(COMMANDS)}")
@@ -222,6 +250,10 @@ def run_config(cfg: RunConfig) -> dict:
     con = console(0, cfg.quiet, cfg.json)
     doc = load_toml(cfg.config)
     name = (doc.get("run") or {}).get("name") or Path(cfg.config).stem
+    if not isinstance(name, str) or not name.strip() or Path(name).name != name or name in (".", ".."):
+        raise EyasError(f"{cfg.config}: [run] name = {name!r} is not a folder name",
+                        f"the run folder is --runs-dir/NAME ({cfg.runs_dir}/...), and it must stay inside it",
+                        'write name = "my-run": one folder name, without "/" or ".."')
     run_dir = Path(cfg.runs_dir) / name
     stages = stages_from_toml(doc, run_dir, cfg.config)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -98,11 +98,19 @@ def _launch_torchrun(stage: Stage, cfg, log_path: Path, con: Console) -> dict:
         env["OMP_NUM_THREADS"] = env[OMP_DEFAULTED] = str(max(1, (os.cpu_count() or 2) // stage.nproc))
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        for line in proc.stdout:
-            log.write(line)
-            log.flush()
-            con.print(line.rstrip("\n"))
-        proc.wait()
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                log.flush()
+                con.print(line.rstrip("\n"))
+            proc.wait()
+        except BaseException:  # this process stopped (Ctrl-C, SIGTERM): torchrun stops its ranks, then ends
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
     if proc.returncode != 0 or not summary_path.is_file():
         cause = crash_cause(log_path) if proc.returncode != 0 else None
         raise EyasError(f"stage {stage.name} failed under torchrun (exit {proc.returncode})",

@@ -23,6 +23,7 @@ import torch
 from eyas.core.config import StageConfig, check, opt
 from eyas.core.dist import pick_device
 from eyas.core.errors import EyasError
+from eyas.core.lock import hold
 from eyas.core.log import console
 from eyas.core.options import Dtype, device_opt, dtype_opt, target_opt, trust_remote_code_opt, trusted_code_line
 from eyas.core.precision import choose_dtype
@@ -285,6 +286,12 @@ def hf_generate(target, prompt: list[int], max_new: int, temperature: float, sto
 
 # -- the run -----------------------------------------------------------------------------------------------------------
 def run(cfg: EvalConfig) -> dict:
+    """The stage, holding its output's lock (eyas.core.lock) throughout."""
+    with hold(Path(cfg.out), "evaluate"):
+        return _run(cfg)
+
+
+def _run(cfg: EvalConfig) -> dict:
     con = console(0, cfg.quiet, cfg.json)
     device = torch.device(pick_device(cfg.device))
     cpu = Threads(cfg.threads, 1, str(device))

@@ -132,8 +132,9 @@ def run(cfg: ExtractConfig, *, target=None) -> dict:
     cfg = dataclasses.replace(cfg, dtype=SHORT[dtype])  # what the store records: never "auto"
     if why:
         con.print(why)
-    finished = False
+    finished, lock = False, None
     try:
+        lock = dist.hold_output(env, Path(cfg.store), "extract")
         summary = _run(cfg, env, con, target, cpu)
         finished = True
         return summary
@@ -142,6 +143,8 @@ def run(cfg: ExtractConfig, *, target=None) -> dict:
             raise
         raise EyasError(f"cannot write to {cfg.store}: {why}", "the store's disk is full", NO_SPACE_FIX) from None
     finally:
+        if lock is not None:
+            lock.close()
         if env.distributed:
             dist.shutdown(finished)
 

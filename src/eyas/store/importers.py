@@ -19,6 +19,7 @@ import dataclasses
 import gzip
 import pickle
 import re
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +30,7 @@ from safetensors.torch import load_file
 
 from eyas.core.config import StageConfig, check, opt
 from eyas.core.errors import EyasError
+from eyas.core.lock import hold
 from eyas.core.log import console, fmt_bytes, fmt_duration, fmt_int
 from eyas.core.options import target_opt, trust_remote_code_opt, trusted_code_line
 from eyas.core.target import default_feature_layers
@@ -157,6 +159,12 @@ def target_parts(spec: str, need_norm: bool, trust_remote_code: bool = False):
 # ---------------------------------------------------------------- the run
 
 def run(cfg: StoreImportConfig) -> dict:
+    """The stage, holding its output's lock (eyas.core.lock) throughout."""
+    with hold(Path(cfg.store), "store import"):
+        return _run(cfg)
+
+
+def _run(cfg: StoreImportConfig) -> dict:
     t0 = time.perf_counter()
     con = console(0, cfg.quiet, cfg.json)
     src, store = Path(cfg.source), Path(cfg.store)
@@ -175,21 +183,35 @@ def run(cfg: StoreImportConfig) -> dict:
     rows, fingerprint = _reference_rows(cfg, src, layout, files)
     con.print(f"import: {fmt_int(len(rows))} samples from {src} ({layout}), target {identity['name']}, layers "
               f"{layer_ids}, final norm {'applied' if apply_norm else 'as stored'}")
+    fresh = not store.exists()
     (store / SHARD_DIR).mkdir(parents=True, exist_ok=True)
-    shards, skipped = _write_shards(cfg, con, rows, files, layout, hidden, norm)
-    problems = check_coverage(shards, None if skipped else len(rows))
-    if problems:
-        raise EyasError(f"import into {store}: " + "; ".join(problems[:5]), fix="check the source for duplicates")
+    try:
+        shards, skipped = _write_shards(cfg, con, rows, files, layout, hidden, norm)
+        problems = check_coverage(shards, None if skipped else len(rows))
+        if problems:
+            raise EyasError(f"import into {store}: " + "; ".join(problems[:5]), fix="check the source for duplicates")
+        totals = _finish(cfg, store, src, layout, identity, layer_ids, hidden, apply_norm, fingerprint, rows, shards)
+    except BaseException:  # the store was empty: what it holds now is this import's, and a retry needs it empty
+        for entry in list(store.iterdir()):
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        if fresh:
+            store.rmdir()
+        raise
+    elapsed = time.perf_counter() - t0
+    con.summary(f"import: {fmt_int(totals['samples'])} samples, {fmt_int(totals['tokens'])} tokens -> {store} "
+                f"({fmt_bytes(totals['bytes'])}; {skipped} skipped) in {fmt_duration(elapsed)}")
+    return {"store": str(store), "layout": layout, **totals, "skipped": skipped, "elapsed_s": round(elapsed, 2)}
+
+
+def _finish(cfg, store: Path, src: Path, layout: str, identity: dict, layer_ids: list[int], hidden: int,
+            apply_norm: bool, fingerprint: str | None, rows, shards) -> dict:
+    """The store's manifest: its header (what it holds and where it came from) and its shards."""
     header = {"source": f"eyas store import ({layout}: {src.resolve()})", "target": identity, "layer_ids": layer_ids,
               "hidden_size": hidden, "dtype": "float8_e4m3fn" if cfg.compact else "bfloat16",
               "compact": cfg.compact, "forward_dtype": None, "final_norm_applied_on_import": apply_norm,
               "dataset": {"path": str(Path(cfg.data).resolve()) if cfg.data else None,
                           "split": cfg.split if cfg.data else None, "fingerprint": fingerprint, "samples": len(rows)}}
-    totals = write_manifest(store, header, shards)
-    elapsed = time.perf_counter() - t0
-    con.summary(f"import: {fmt_int(totals['samples'])} samples, {fmt_int(totals['tokens'])} tokens -> {store} "
-                f"({fmt_bytes(totals['bytes'])}; {skipped} skipped) in {fmt_duration(elapsed)}")
-    return {"store": str(store), "layout": layout, **totals, "skipped": skipped, "elapsed_s": round(elapsed, 2)}
+    return write_manifest(store, header, shards)
 
 
 class Rows:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 
 import torch
 
@@ -383,8 +384,9 @@ class Trainer:
 def run(cfg: TrainConfig) -> dict | None:
     """Train; rank 0 returns the run's summary, other ranks None (so `--json` prints one line per run)."""
     env = dist.init(cfg.device)
-    finished = False
+    finished, lock = False, None
     try:
+        lock = dist.hold_output(env, Path(cfg.out), "train")
         summary = Trainer(cfg, env, console(env.rank, cfg.quiet, cfg.json)).fit()
         finished = True
         return summary if env.is_main else None
@@ -394,6 +396,8 @@ def run(cfg: TrainConfig) -> dict | None:
             raise
         raise err from None
     finally:
+        if lock is not None:
+            lock.close()
         dist.shutdown(finished)
 
 
