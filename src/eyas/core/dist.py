@@ -227,5 +227,10 @@ def hold_output(env, out: Path, command: str) -> IO | None:
     """Rank 0 takes `out`'s lock for every rank of the run (eyas.core.lock); a refusal reaches every rank, so a
     second launch on the same output stops on all of its ranks. -> the lock on rank 0 (close it at the end)."""
     held: list[IO] = []
-    agree(env, lambda: held.append(hold(out, command)) is None)
+
+    def take() -> bool:
+        held.append(hold(out, command))
+        return True
+
+    agree(env, take)
     return held[0] if held else None

@@ -29,8 +29,8 @@ from pathlib import Path
 
 from eyas.core.config import StageConfig, check, opt
 from eyas.core.dist import on_gpu, pick_device
-from eyas.core.errors import EyasError, Incomplete
-from eyas.core.lock import hold
+from eyas.core.errors import Incomplete
+from eyas.core.lock import check_place, hold
 from eyas.core.log import console, fmt_duration, fmt_int
 from eyas.core.options import (
     Dtype,
@@ -159,8 +159,7 @@ def run(cfg: RegenerateConfig, shared: SharedEngine | None = None) -> dict:
     for consecutive stages that would start the same one); else the stage starts and stops its own."""
     con = console(0, cfg.quiet, cfg.json)
     out = Path(cfg.out)
-    if out.is_dir():
-        raise EyasError(f"--out {out} is a folder", fix="name a .jsonl file to write")
+    check_place(out, "regenerate", "file")  # before any work (hold, below, checks it again as it takes the lock)
     for spec in cfg.data:  # a missing file fails now, before anything is loaded
         resolve_data(spec)
     if cfg.trust_remote_code:
