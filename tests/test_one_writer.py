@@ -126,3 +126,30 @@ def test_sigterm_stops_a_stage_with_its_resume_hint(store, tmp_path):
     assert proc.returncode == 143, err[-3000:]
     assert "eyas: stopped (SIGTERM); completed work is kept. To resume: eyas train" in err and "--resume" in err
     assert "Traceback" not in err
+
+
+def test_a_stopped_eyas_torchrun_ends_in_one_line_with_the_resume_hint(store, tmp_path):
+    """SIGTERM to the launcher (what a scheduler sends): torchrun's agent stops the ranks, each says how to resume,
+    and eyas-torchrun ends with one line and exit 143, not torch's SignalException traceback (issue 45, item 5)."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "eyas.torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), "-m", "eyas", "train", "--store", str(store), "--out", str(out),
+           "--epochs", "50", "--checkpoint-every", "2", *SMALL]
+    proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while not (out / "metrics.jsonl").is_file() and time.time() < deadline:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.5)
+        assert (out / "metrics.jsonl").is_file(), "the run never started training"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 143, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert "eyas-torchrun: stopped (SIGTERM)" in err
+    assert "To resume: eyas-torchrun --nproc_per_node 2 -m eyas train" in err and "--resume" in err, err[-3000:]

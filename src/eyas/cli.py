@@ -156,7 +156,8 @@ def resume_command(command: str | None, argv: list[str]) -> str:
         env = dist.read_env()
         if env.distributed:
             nodes = f" --nnodes {env.nodes} (and your rendezvous options)" if env.nodes > 1 else ""
-            launcher = f"torchrun{nodes} --nproc_per_node {env.local_world_size} -m eyas"
+            started_by = os.environ.get("EYAS_LAUNCHER", "")  # eyas-torchrun says so (eyas.torchrun)
+            launcher = f"{started_by or 'torchrun'}{nodes} --nproc_per_node {env.local_world_size} -m eyas"
     return launcher + " " + " ".join(shlex.quote(a) for a in args)
 
 if __name__ == "__main__":

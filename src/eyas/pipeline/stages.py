@@ -88,7 +88,7 @@ def _launch_torchrun(stage: Stage, cfg, log_path: Path, con: Console) -> dict:
     """Run a stage under torchrun, its output shown (rank 0's plan and audit lines) and kept in the log."""
     entry = ["eyas.train"] if stage.command == "train" else ["eyas", stage.command]  # python -m ENTRY
     port = 29500 + (os.getpid() % 2000)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(stage.nproc),
+    cmd = [sys.executable, "-m", "eyas.torchrun", "--nproc_per_node", str(stage.nproc),
            "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", *entry, *to_argv(cfg)]
     con.print(f"[{stage.name}] torchrun --nproc_per_node {stage.nproc} -m {' '.join(entry)} ... (log: {log_path})")
     summary_path = _summary_file(stage, cfg)
