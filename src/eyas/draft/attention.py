@@ -13,6 +13,11 @@ from q, k, v and lse:
     P = exp(S - lse)        dP = dO V^T        dS = P * (dP - rowsum(dO * O))
     dQ = scale dS K         dK = scale dS^T Q  dV = P^T dO        (summed over the query heads of a kv head)
 
+On a GPU the same attention runs through `flex_attention` (`flex_chain_attention`): step i's keys are laid end to
+end, [k_0 | k_1 | ... | k_i] (length (i + 1) T), and a block mask keeps causal same-document keys in the first T and
+the diagonal in the others, so the fused kernel skips every empty block, runs in the compute dtype on tensor cores
+and needs no host synchronisation. PyTorch has no flex backward on the CPU, where the chunked kernel below trains.
+
 Memory: one chunk's scores [B, nh, C, T] float32 (a few such temporaries) instead of [B, nh, T, T] and a
 [B, 1, T, T] mask; saved for backward: out, lse [B, nh, T], nothing quadratic. Grouped-query attention views q
 as [B, nkv, rep, T, d], so K and V are never repeated.
@@ -26,6 +31,13 @@ import torch
 # causal skip saves more; 1024 rows took twice as long); GPUs want larger blocks to fill the device (not measured
 # here: 512 rows keep one chunk's float32 scores at 512 MiB for 32 heads at T = 8192).
 CHUNK = {"cpu": 64, "cuda": 512}
+
+
+def static_chunks(T: int, size: int) -> list[tuple[int, int, int]]:
+    """query_chunks without reading doc_ids: every chunk scores the keys 0..b-1 (causal only), so the chunks depend
+    on T alone and nothing waits for the device (the documents are still masked, at the cost of scoring keys that an
+    earlier document holds)."""
+    return [(a, min(a + size, T), 0) for a in range(0, T, size)]
 
 
 def query_chunks(doc_ids: torch.Tensor, size: int) -> list[tuple[int, int, int]]:
@@ -48,21 +60,10 @@ class ChainAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, doc_ids, chunks, n, *kv):
-        B, nh, T, d = q.shape
-        with torch.autocast(q.device.type, enabled=False):
-            q5, keys, values = _float(q, kv, n)
-            out = torch.empty_like(q5)  # [B,nkv,rep,T,d]
-            lse = q5.new_empty(q5.shape[:-1])  # [B,nkv,rep,T]
-            for a, b, lo in chunks:
-                s0, sd = _scores(q5, keys, doc_ids, a, b, lo)
-                m = s0.amax(-1) if n == 1 else torch.maximum(s0.amax(-1), sd.amax(-1))  # [B,nkv,rep,c]
-                p0, pd = s0.sub_(m[..., None]).exp_(), sd.sub_(m[..., None]).exp_()
-                total = p0.sum(-1) + pd.sum(-1)
-                out[:, :, :, a:b] = _weighted(p0, pd, values, a, b, lo).div_(total[..., None])
-                lse[:, :, :, a:b] = m + total.log()
+        out, lse = _chain_forward(q, doc_ids, chunks, n, kv)
         ctx.save_for_backward(q, doc_ids, out, lse, *kv)
         ctx.chunks, ctx.n = chunks, n
-        return out.view(B, nh, T, d).to(q.dtype)
+        return out.view(q.shape).to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -101,7 +102,25 @@ def chain_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torc
     `chunks`: query_chunks(doc_ids, ...), computed once by a caller that attends many times."""
     if chunks is None:
         chunks = query_chunks(doc_ids, CHUNK.get(q.device.type, CHUNK["cuda"]))
+    if not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, *keys, *values))):  # validation
+        return _chain_forward(q, doc_ids, chunks, len(keys), (*keys, *values))[0].view(q.shape).to(q.dtype)
     return ChainAttention.apply(q, doc_ids, chunks, len(keys), *keys, *values)
+
+
+def _chain_forward(q, doc_ids, chunks, n: int, kv):
+    """ChainAttention's forward -> (out [B,nkv,rep,T,d] float32, lse [B,nkv,rep,T] float32)."""
+    with torch.autocast(q.device.type, enabled=False):
+        q5, keys, values = _float(q, kv, n)
+        out = torch.empty_like(q5)  # [B,nkv,rep,T,d]
+        lse = q5.new_empty(q5.shape[:-1])  # [B,nkv,rep,T]
+        for a, b, lo in chunks:
+            s0, sd = _scores(q5, keys, doc_ids, a, b, lo)
+            m = s0.amax(-1) if n == 1 else torch.maximum(s0.amax(-1), sd.amax(-1))  # [B,nkv,rep,c]
+            p0, pd = s0.sub_(m[..., None]).exp_(), sd.sub_(m[..., None]).exp_()
+            total = p0.sum(-1) + pd.sum(-1)
+            out[:, :, :, a:b] = _weighted(p0, pd, values, a, b, lo).div_(total[..., None])
+            lse[:, :, :, a:b] = m + total.log()
+    return out, lse
 
 
 def _float(q, kv, n):
@@ -137,3 +156,48 @@ def _weighted(p0, pd, values, a, b, lo):
     for j, v in enumerate(values[1:]):
         o += pd[..., j, None] * v[:, :, None, a:b]
     return o
+
+
+# -- the flex_attention path (GPUs) ---------------------------------------------------------------------------------
+FLEX_BLOCK = 128  # flex_attention's block size on a GPU (its default)
+
+
+def chain_block_masks(doc_ids: torch.Tensor, steps: int, block: int = FLEX_BLOCK) -> list:
+    """The block masks of TTT steps 0..steps-1 for flex_chain_attention: step i's queries [T] over the keys
+    [k_0 | ... | k_i] ((i + 1) T), the step-0 keys causal within the document of doc_ids [B,T], then the diagonal.
+    Built on doc_ids' device once per micro-batch and shared by every layer."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, T = doc_ids.shape
+
+    def mask_mod(b, h, q, kv):
+        s = kv % T
+        return torch.where(kv < T, (s <= q) & (doc_ids[b, q] == doc_ids[b, s]), s == q)
+
+    return [create_block_mask(mask_mod, B, None, T, (i + 1) * T, device=doc_ids.device, BLOCK_SIZE=block)
+            for i in range(steps)]
+
+
+def flex_chain_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], block_mask,
+                         kernel=None) -> torch.Tensor:
+    """chain_attention through flex_attention: q [B,nh,T,d], keys[j], values[j] [B,nkv,T,d] for j = 0..i, and
+    block_mask = chain_block_masks(...)[i]. In q's dtype (bf16 under autocast: tensor cores); the softmax is the
+    kernel's own (float32 accumulation). `kernel`: flex_attention compiled (flex_kernel), or the eager one."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    k = torch.cat(keys, 2).to(q.dtype) if len(keys) > 1 else keys[0].to(q.dtype)
+    v = torch.cat(values, 2).to(q.dtype) if len(values) > 1 else values[0].to(q.dtype)
+    return (kernel or flex_attention)(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+_COMPILED = {}
+
+
+def flex_kernel():
+    """flex_attention compiled once per process (flex is fused only when compiled; inside a compiled training
+    step the eager function is traced into the step's graph instead)."""
+    if "flex" not in _COMPILED:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _COMPILED["flex"] = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED["flex"]

@@ -183,6 +183,12 @@ class DraftLayer(nn.Module):
         h = residual + self.self_attn.out(attn)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def forward(self, hidden: torch.Tensor, embeds: torch.Tensor | None, cos, sin, attention) -> torch.Tensor:
+        """The layer as one module call (what FSDP2 hooks: eyas.train.parallelize shards each layer):
+        attention(q, k, v) -> [B,nh,T,d] is the caller's (TTT keeps every step's keys and values)."""
+        q, k, v, residual = self.qkv(hidden, embeds, cos, sin)
+        return self.finish(attention(q, k, v), residual)
+
 
 def attend(q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
     """q [B,nh,T,d], k/v [B,nkv,S,d], mask bool [B|1,1,T,S] (True = may attend) -> [B,nh,T,d]."""

@@ -12,6 +12,12 @@ attends to the step-0 keys at positions s <= t of its document (those came from 
 to its own chain, the step-j keys at position t for j = 1..i. Its rotary position is pos(t) + i. Computed in
 query chunks (eyas.draft.attention): memory linear in T.
 
+Two paths compute the same thing (`path`): "gathered", the CPU's, keeps only the counted rows of each step and
+scores them once per distinct target row (eyas.draft.cross_entropy), with the chunked attention; "static", the
+GPU's, keeps every position of every step with weight 0 where the step does not count it (eyas.draft.static_loss)
+and attends through flex_attention, so every shape is known from k, B and T and a compiled step never waits for the
+device. tests/test_ttt_paths.py holds them equal.
+
 Loss at step i: cross-entropy of the draft distribution against p (forward KL up to a constant), summed
 over counted positions; the trainer divides by the global count and weights step i by decay**i. The target's
 distribution and the draft's logits are formed a block of rows at a time (eyas.draft.cross_entropy): memory flat
@@ -23,12 +29,24 @@ vocabulary), the estimate of acceptance at depth i.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
-from eyas.draft.attention import CHUNK, chain_attention, query_chunks
+from eyas.draft.attention import (
+    CHUNK,
+    chain_attention,
+    chain_block_masks,
+    flex_chain_attention,
+    flex_kernel,
+    query_chunks,
+    static_chunks,
+)
 from eyas.draft.cross_entropy import TargetRows, soft_cross_entropy
 from eyas.draft.model import Eagle3Draft
+from eyas.draft.static_loss import static_cross_entropy
+
+PATHS = ("gathered", "static")
 
 
 @dataclasses.dataclass
@@ -54,7 +72,8 @@ def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
 
 def ttt_forward(model: Eagle3Draft, input_ids: torch.Tensor, aux: torch.Tensor, target_logp, loss_mask: torch.Tensor,
                 steps: int, position_ids: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
-                target_index: torch.Tensor | None = None, step_scale: torch.Tensor | None = None) -> TTTResult:
+                target_index: torch.Tensor | None = None, step_scale: torch.Tensor | None = None,
+                path: str | None = None, attention: str | None = None) -> TTTResult:
     """Unroll the draft for `steps` steps. input_ids/loss_mask [B,T], aux [B,T,3Ht]; position_ids and doc_ids
     [B,T] for packed sequences (default: one document per row, positions 0..T-1).
 
@@ -64,13 +83,25 @@ def ttt_forward(model: Eagle3Draft, input_ids: torch.Tensor, aux: torch.Tensor, 
     target_index [B,T] gives each position's row there (-1 elsewhere), as eyas.train.batches.sparse_target_logp
     builds them. step_scale [k]: the weights the caller will give the steps' loss sums (the trainer's scale), so
     the output head's weight gradient made in the forward is the one backward needs (any other weighting is still
-    exact, at the cost of a second pass over the output head)."""
+    exact, at the cost of a second pass over the output head).
+
+    path: "gathered" or "static" (see the module docstring; default: static on CUDA, gathered elsewhere); the static
+    path takes the full targets (no target_index). attention, for the static path: "flex" (default on CUDA) or
+    "chunked" (its query chunks fixed by T: nothing read back)."""
     B, T = input_ids.shape
     dev = input_ids.device
     if position_ids is None:
         position_ids = torch.arange(T, device=dev).expand(B, T)
     if doc_ids is None:
         doc_ids = torch.zeros(B, T, dtype=torch.long, device=dev)
+    path = path or ("static" if dev.type == "cuda" else "gathered")
+    if path == "static":
+        if target_index is not None:
+            raise ValueError("the static TTT path takes the full targets [B,T,...], not compact ones with an index")
+        return _static(model, input_ids, aux, target_logp, loss_mask, steps, position_ids, doc_ids, step_scale,
+                       attention or ("flex" if dev.type == "cuda" else "chunked"))
+    if path != "gathered":
+        raise ValueError(f"unknown TTT path {path!r}: one of {', '.join(PATHS)}")
     chunks = query_chunks(doc_ids, CHUNK.get(dev.type, CHUNK["cuda"]))  # once for every layer and step
     hidden = model.fuse(aux)  # [B,T,H]
     layers = model.all_layers()
@@ -81,13 +112,10 @@ def ttt_forward(model: Eagle3Draft, input_ids: torch.Tensor, aux: torch.Tensor, 
         tokens = shift_left(input_ids, 1 + i)  # x[t+1+i]
         embeds = model.embed_tokens(tokens).to(hidden.dtype)
         cos, sin = model.rope(position_ids + i, hidden.dtype)
+        attend = functools.partial(_chunked, doc_ids=doc_ids, chunks=chunks)
         for li, layer in enumerate(layers):
-            q, k, v, residual = layer.qkv(hidden, embeds, cos, sin)
-            keys[li].append(k)
-            values[li].append(v)
-            hidden = layer.finish(chain_attention(q, keys[li], values[li], doc_ids, chunks), residual)
-        predicted = shift_left(input_ids, 2 + i)  # x[t+2+i]
-        valid = (shift_left(loss_mask, 2 + i) > 0) & model.t2d[predicted] & (shift_left(doc_ids, 2 + i, -1) == doc_ids)
+            hidden = layer(hidden, embeds, cos, sin, _keeping(keys[li], values[li], attend))
+        valid = _counted(model, input_ids, loss_mask, doc_ids, i)
         rows.append(hidden[valid])  # [N_i,H], only counted positions
         b, t = valid.nonzero(as_tuple=True)
         target_rows.append(b * T + t + 1 + i)  # rows of the target viewed [B*T,...]: p_{t+1+i}
@@ -108,6 +136,66 @@ def ttt_forward(model: Eagle3Draft, input_ids: torch.Tensor, aux: torch.Tensor, 
     loss_sum = torch.zeros(steps, dtype=loss_row.dtype, device=dev).index_add(0, step, loss_row)
     correct = torch.zeros(steps, dtype=torch.long, device=dev).index_add(0, step, hit.long())
     return TTTResult(loss_sum, correct, count)
+
+
+def _keeping(keys: list, values: list, attend):
+    """The layer's attention at one TTT step: keep the step's k and v beside the earlier steps', then attend over
+    them all (attend(q, keys, values))."""
+    def attention(q, k, v):
+        keys.append(k)
+        values.append(v)
+        return attend(q, keys, values)
+    return attention
+
+
+def _flex(q, keys, values, mask, kernel):
+    return flex_chain_attention(q, keys, values, mask, kernel)
+
+
+def _chunked(q, keys, values, doc_ids, chunks):
+    return chain_attention(q, keys, values, doc_ids, chunks)
+
+
+def _counted(model: Eagle3Draft, input_ids, loss_mask, doc_ids, i: int) -> torch.Tensor:
+    """[B,T] bool: the positions TTT step i counts (x[t+2+i] loss-masked, in the draft vocabulary, same document)."""
+    predicted = shift_left(input_ids, 2 + i)  # x[t+2+i]
+    return (shift_left(loss_mask, 2 + i) > 0) & model.t2d[predicted] & (shift_left(doc_ids, 2 + i, -1) == doc_ids)
+
+
+def _static(model, input_ids, aux, target, loss_mask, steps, position_ids, doc_ids, step_scale,
+            attention: str) -> TTTResult:
+    """ttt_forward's static path: every shape from (steps, B, T), nothing read back to the host."""
+    B, T = input_ids.shape
+    if attention == "flex":
+        masks = chain_block_masks(doc_ids, steps)
+        kernel = flex_kernel() if input_ids.device.type == "cuda" and not torch.compiler.is_compiling() else None
+    elif attention == "chunked":
+        chunks = static_chunks(T, CHUNK.get(input_ids.device.type, CHUNK["cuda"]))
+    else:
+        raise ValueError(f"unknown TTT attention {attention!r}: flex or chunked")
+    hidden = model.fuse(aux)  # [B,T,H]
+    layers = model.all_layers()
+    keys = [[] for _ in layers]
+    values = [[] for _ in layers]
+    states, counted = [], []
+    for i in range(steps):
+        embeds = model.embed_tokens(shift_left(input_ids, 1 + i)).to(hidden.dtype)  # x[t+1+i]
+        cos, sin = model.rope(position_ids + i, hidden.dtype)
+        if attention == "flex":
+            attend = functools.partial(_flex, mask=masks[i], kernel=kernel)
+        else:
+            attend = functools.partial(_chunked, doc_ids=doc_ids, chunks=chunks)
+        for li, layer in enumerate(layers):
+            hidden = layer(hidden, embeds, cos, sin, _keeping(keys[li], values[li], attend))
+        states.append(hidden)
+        counted.append(_counted(model, input_ids, loss_mask, doc_ids, i))
+    valid = torch.stack(counted)  # [k,B,T]
+    weight = None if step_scale is None else valid.float() * step_scale.float().to(valid.device)[:, None, None]
+    if (target.final if isinstance(target, TargetRows) else target).dim() != 3:
+        raise ValueError("the static TTT path takes targets over every position: [B,T,Vd] or TargetRows [B,T,H]")
+    loss, hit = static_cross_entropy(model.norm(torch.stack(states)), model.lm_head.weight, target, weight)
+    zero = torch.zeros((), dtype=loss.dtype, device=loss.device)
+    return TTTResult(torch.where(valid, loss, zero).sum((1, 2)), (hit & valid).sum((1, 2)), valid.sum((1, 2)))
 
 
 def step_weights(steps: int, decay: float, device=None) -> torch.Tensor:

@@ -179,6 +179,23 @@ class Batch:
                                    position_ids=mv(self.position_ids), doc_ids=mv(self.doc_ids),
                                    aux=mv(self.aux, True), final=mv(self.final, True))
 
+    def padded(self, multiple: int) -> Batch:
+        """The batch with T rounded up to a multiple of `multiple` by padding positions (loss mask 0, doc -1, zero
+        features), which no TTT step counts: a compiled step then sees a few shapes, not one per length."""
+        T = self.input_ids.shape[1]
+        extra = -T % multiple
+        if not extra:
+            return self
+
+        def pad(t, value=0):
+            if t is None:
+                return None
+            return torch.nn.functional.pad(t, (0, 0, 0, extra) if t.dim() == 3 else (0, extra), value=value)
+
+        return dataclasses.replace(self, input_ids=pad(self.input_ids), loss_mask=pad(self.loss_mask),
+                                   position_ids=pad(self.position_ids), doc_ids=pad(self.doc_ids, -1),
+                                   aux=pad(self.aux), final=pad(self.final))
+
 
 def positions(row_lengths: list[list[int]], T: int) -> tuple[torch.Tensor, torch.Tensor, tuple]:
     """Rows of packed sample lengths -> (position_ids [B,T] restarting at 0 for every sample, doc_ids [B,T]

@@ -20,8 +20,8 @@ from eyas.core.dist import DistEnv
 from eyas.core.errors import EyasError
 from eyas.core.weights import load_target_shell, read_module
 from eyas.draft.model import Eagle3Draft
-from eyas.train.batches import load_micro_batch, needed_rows, open_store, sparse_target_logp, valid_masks
-from eyas.train.objective import TTTObjective, autocast, resolve_dtype
+from eyas.train.batches import load_micro_batch, open_store, valid_masks
+from eyas.train.objective import TTTObjective, autocast, resolve_dtype, targets
 from eyas.train.parallelize import reshard
 from eyas.train.sharding import EpochShard, ShardSpec, shard_epoch
 
@@ -82,14 +82,14 @@ def per_step(red: list[float], k: int) -> dict:
 
 @torch.no_grad()
 def validation_sums(model: nn.Module, batches, head_rows: torch.Tensor, t2d: torch.Tensor, ttt_steps: int, env,
-                    dtype: str) -> list[float]:
+                    dtype: str, path: str = "gathered") -> list[float]:
     """The validation pass of the (wrapped) TTT objective `model` over this rank's prepared micro-batches:
     [loss_sum_i..., correct_i..., count_i...] summed over ranks. Rows whose loss mask is zero are run, not counted."""
     sums = torch.zeros(3, ttt_steps, dtype=torch.float64)
     for b in batches:
         with autocast(env.device, dtype):
             valid = valid_masks(b.input_ids, b.loss_mask, b.doc_ids, t2d, ttt_steps)
-            logp, index = sparse_target_logp(b.final, head_rows, needed_rows(valid))
+            logp, index = targets(path, b.final, head_rows, valid)
             ls, c, n = model(b.input_ids, b.aux, logp, index, b.loss_mask, b.position_ids, b.doc_ids)
         sums += torch.stack([ls.double().cpu(), c.double().cpu(), n.double().cpu()])
     reshard(model)

@@ -11,24 +11,52 @@ import torch
 from torch import nn
 
 from eyas.core.precision import SHORT, choose_dtype
+from eyas.draft.cross_entropy import TargetRows
 from eyas.draft.model import Eagle3Draft
 from eyas.draft.ttt import ttt_forward
+from eyas.train.batches import needed_rows, sparse_target_logp
+
+STATIC_MULTIPLE = 256  # the static path's micro-batches are padded to a multiple of this many positions
+COMPILE_BACKEND = "inductor"  # torch.compile's; the tests trace with aot_eager (the same graph, no code generated)
 
 
 class TTTObjective(nn.Module):
     """forward(batch tensors) = ttt_forward(draft, ...) as a tuple (loss_sum [k], correct [k], count [k]);
-    target_logp (TargetRows [M,...]) with target_index [B,T] are the compact targets of
-    eyas.train.batches.sparse_target_logp; step_scale [k], the weights the loss sums will get (optional: the output
-    head's weight gradient is then made in the forward pass alone)."""
+    target_logp and target_index come from `targets`; step_scale [k], the weights the loss sums will get
+    (optional: the output head's weight gradient is then made in the forward pass alone).
 
-    def __init__(self, draft: Eagle3Draft, steps: int):
+    path: ttt_forward's ("gathered", the CPU's; "static", the GPU's); compiled: ttt_forward under
+    torch.compile(fullgraph=True), the static path only (the gathered one reads counts back to the host)."""
+
+    def __init__(self, draft: Eagle3Draft, steps: int, path: str = "gathered", compiled: bool = False):
         super().__init__()
-        self.draft, self.steps = draft, steps
+        self.draft, self.steps, self.path = draft, steps, path
+        self.ttt = torch.compile(ttt_forward, fullgraph=True, backend=COMPILE_BACKEND) if compiled else ttt_forward
 
     def forward(self, input_ids, aux, target_logp, target_index, loss_mask, position_ids, doc_ids, step_scale=None):
-        r = ttt_forward(self.draft, input_ids, aux, target_logp, loss_mask, self.steps, position_ids, doc_ids,
-                        target_index, step_scale)
+        r = self.ttt(self.draft, input_ids, aux, target_logp, loss_mask, self.steps, position_ids, doc_ids,
+                     target_index, step_scale, path=self.path)
         return r.loss_sum, r.correct, r.count
+
+
+def targets(path: str, final: torch.Tensor, head_rows: torch.Tensor, valid: torch.Tensor):
+    """The target's distribution as `path` takes it -> (target, index): the static path every position's
+    (TargetRows [B,T,H], None: nothing read back), the gathered path only the rows some step counts (compact
+    TargetRows [M,H] and their index [B,T]; valid [k,B,T] from eyas.train.batches.valid_masks)."""
+    if path == "static":
+        return TargetRows(final, head_rows), None
+    return sparse_target_logp(final, head_rows, needed_rows(valid))
+
+
+def choose_path(device: str, compile_opt: str) -> tuple[str, bool, str]:
+    """--compile (auto, on, off) on `device` -> (TTT path, compiled, the line that says so). auto: compiled with CUDA
+    (the static path, fused by inductor, no host synchronisation); on a CPU the gathered path eagerly, which
+    computes only the counted rows and measured faster there (docs/train.md)."""
+    cuda = device.startswith("cuda")
+    compiled = compile_opt == "on" or (compile_opt == "auto" and cuda)
+    path = "static" if compiled or cuda else "gathered"
+    how = "compiled (torch.compile, fullgraph)" if compiled else "eager"
+    return path, compiled, f"TTT step: {path} path, {how}"
 
 
 def autocast(device: str, dtype: str):

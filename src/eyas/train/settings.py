@@ -56,6 +56,8 @@ class TrainConfig(StageConfig):
     dtype: Dtype = dtype_opt("training's compute (bf16: autocast over fp32 weights; fp16 is refused)")
     parallel: str = opt("ddp", "data parallelism over ranks: ddp, or fsdp (FSDP2 fully_shard)", choices=("ddp", "fsdp"))
     device: str = device_opt()
+    compile: str = opt("auto", "compile the TTT step with torch.compile (one graph, no host synchronisation, the "
+                       "static path): auto = on with CUDA, off on a CPU", choices=("auto", "on", "off"))
     threads: int = opt(0, "CPU threads per rank (0 = the cores divided among the ranks of this node)")
     seed: int = opt(0, "seed of the weights' initialisation and of the data order")
     shuffle: bool = opt(True, "reshuffle the data every epoch")

@@ -54,7 +54,7 @@ from eyas.train.batches import (
     split_holdout,
 )
 from eyas.train.heldout import store_feature_layers
-from eyas.train.objective import TTTObjective, resolve_dtype
+from eyas.train.objective import TTTObjective, choose_path, resolve_dtype
 from eyas.train.optimizer import make_optimizer
 from eyas.train.parallelize import load_optimizer_state, wrap
 from eyas.train.plan import Plan, compute_plan
@@ -84,6 +84,7 @@ class TrainParts:
     params: list[nn.Parameter]  # the trainable ones
     optimizer: torch.optim.Optimizer
     head_rows: torch.Tensor  # [Vd, H] the target's output-head rows of the draft vocabulary (frozen)
+    path: str  # the TTT path (eyas.train.objective.choose_path): gathered or static
     t2d: torch.Tensor  # [V] bool: target ids in the draft vocabulary
     weights: torch.Tensor  # [k] the loss weight of each TTT step
     spec: ShardSpec  # the training sampler
@@ -113,7 +114,9 @@ def setup(cfg, env, con) -> TrainParts:
     vocab_info, d2t = draft_vocab(cfg, env, target, train_src, ckpt)
     draft_cfg = DraftConfig.for_target(target, int(d2t.numel()), layer_ids, cfg.num_layers, cfg.fc_norm)
     draft, head_rows = build_draft(cfg, env, dtype, target, draft_cfg, d2t, ckpt)
-    model = wrap(TTTObjective(draft, cfg.ttt_steps), cfg.parallel, env)
+    path, compiled, path_line = choose_path(env.device, cfg.compile)
+    con.print(path_line)
+    model = wrap(TTTObjective(draft, cfg.ttt_steps, path, compiled), cfg.parallel, env, dtype)
     optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, env.device)
     if ckpt:
         load_optimizer_state(model, optimizer, ckpt.optimizer_state)
@@ -129,7 +132,7 @@ def setup(cfg, env, con) -> TrainParts:
         out=out, threads=threads, cpu=cpu, dtype=dtype, train_src=train_src, val_src=val_src, data_record=data_record,
         layer_ids=layer_ids, target=target if cfg.online else None, vocab_info=vocab_info, draft_cfg=draft_cfg,
         model=model, params=[p for p in model.parameters() if p.requires_grad], optimizer=optimizer,
-        head_rows=head_rows, t2d=draft.t2d, weights=step_weights(cfg.ttt_steps, cfg.step_decay), spec=spec,
+        head_rows=head_rows, path=path, t2d=draft.t2d, weights=step_weights(cfg.ttt_steps, cfg.step_decay), spec=spec,
         val_spec=val_spec, steps_per_epoch=steps, total_steps=total, warmup_steps=warmup, plan=plan,
         plan_json=plan_json, metrics=MetricsLog(out, start, cfg) if env.is_main else NullMetrics(),
         resumed=ckpt.state if ckpt else None)

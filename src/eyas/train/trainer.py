@@ -28,12 +28,10 @@ from eyas.train.batches import (
     Prefetcher,
     capture_features,
     load_micro_batch,
-    needed_rows,
-    sparse_target_logp,
     valid_masks,
 )
 from eyas.train.heldout import masked_batches, per_step, validation_sums
-from eyas.train.objective import autocast
+from eyas.train.objective import STATIC_MULTIPLE, autocast, targets
 from eyas.train.optimizer import lr_at
 from eyas.train.parallelize import draft_of, full_model_state, full_optimizer_state, no_sync
 from eyas.train.plan import compute_plan
@@ -157,7 +155,7 @@ class Trainer:
             with no_sync(p.model, j == len(batches) - 1):
                 with autocast(env.device, p.dtype):
                     with torch.no_grad():
-                        logp, index = sparse_target_logp(b.final, p.head_rows, needed_rows(v))  # TargetRows, [B,T]
+                        logp, index = targets(p.path, b.final, p.head_rows, v)
                     # `scale`: each step's weight in the loss, so the head's gradient is finished in the forward
                     loss_sum, correct, count = p.model(b.input_ids, b.aux, logp, index, b.loss_mask,
                                                        b.position_ids, b.doc_ids, scale)
@@ -186,7 +184,7 @@ class Trainer:
         batch = batch.to(self.env.device, feat)
         if self.cfg.online:
             batch = capture_features(self.parts.target, self.parts.layer_ids, batch).to(self.env.device, feat)
-        return batch
+        return batch.padded(STATIC_MULTIPLE) if self.parts.path == "static" else batch
 
     def noisy(self, batch, micro: int):
         """The batch with --feature-noise added to its target features: a generator seeded by the seed, rank, step
@@ -275,7 +273,8 @@ class Trainer:
         p, k = self.parts, self.cfg.ttt_steps
         if p.val_src is None:
             return None
-        red = validation_sums(p.model, self.validation_batches(), p.head_rows, p.t2d, k, self.env, p.dtype)
+        red = validation_sums(p.model, self.validation_batches(), p.head_rows, p.t2d, k, self.env, p.dtype,
+                              p.path)
         out = {"epoch": epoch, "samples": len(p.val_src), **per_step(red, k)}
         out["loss"] = float(sum(w * x for w, x in zip(p.weights.tolist(), out["loss_i"])))
         self.say(f"validation (epoch {epoch + 1}, {fmt_int(len(p.val_src))} samples, global): loss "
