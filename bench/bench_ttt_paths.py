@@ -10,6 +10,7 @@ the paths, and the median printed, with each path's time as a ratio of the gathe
 
     python bench/bench_ttt_paths.py                        # T = 1024, k = 7, ~3 min at 2 threads
     python bench/bench_ttt_paths.py --length 2048 --steps 5
+    PYTHONPATH=OLD/src python bench/bench_ttt_paths.py --paths gathered   # an older eyas's CPU path (before/after)
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from eyas.core.config import opt, parse  # noqa: E402
+from eyas.core.config import check, opt, parse  # noqa: E402
 from eyas.draft.cross_entropy import TargetRows  # noqa: E402
 from eyas.draft.model import DraftConfig, Eagle3Draft  # noqa: E402
 from eyas.draft.ttt import step_weights, ttt_forward  # noqa: E402
@@ -42,6 +43,12 @@ class TTTPathsConfig:
     steps: int = opt(7, "TTT steps (k)")
     repeats: int = opt(5, "timed steps per path")
     threads: int = opt(0, "torch threads (0: as many as the cores)")
+    paths: tuple[str, ...] = opt(("gathered", "static", "compiled"), "the variants measured: gathered, static, "
+                                                                     "compiled")
+
+    def __post_init__(self):
+        bad = sorted(set(self.paths) - {"gathered", "static", "compiled"})
+        check(not bad, f"--paths {' '.join(bad)}: not a variant", "use gathered, static or compiled")
 
 
 def build(cfg: TTTPathsConfig):
@@ -77,7 +84,8 @@ def step_fn(m, batch, k: int, path: str, compiled: bool):
                                                                                              k)))
             else:
                 target, index = TargetRows(final, head), None
-            r = ttt(m, ids, aux, target, mask, k, pos, docs, index, scale, path=path)
+            extra = {} if path == "gathered" else {"path": path}  # so an older eyas (PYTHONPATH) runs it too
+            r = ttt(m, ids, aux, target, mask, k, pos, docs, index, scale, **extra)
             (r.loss_sum.float() * scale).sum().backward()
     return step
 
@@ -87,9 +95,9 @@ def main(argv=None) -> None:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     m, batch = build(cfg)
-    paths = {"gathered, eager": step_fn(m, batch, cfg.steps, "gathered", False),
-             "static, eager": step_fn(m, batch, cfg.steps, "static", False),
-             "static, compiled": step_fn(m, batch, cfg.steps, "static", True)}
+    variants = {"gathered": ("gathered, eager", "gathered", False), "static": ("static, eager", "static", False),
+                "compiled": ("static, compiled", "static", True)}
+    paths = {variants[v][0]: step_fn(m, batch, cfg.steps, *variants[v][1:]) for v in cfg.paths}
     print(f"TTT step, B={cfg.rows} T={cfg.length} k={cfg.steps}, bf16 autocast, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}")
     for name, step in paths.items():
@@ -102,11 +110,11 @@ def main(argv=None) -> None:
             t0 = time.perf_counter()
             step()
             times[name].append(time.perf_counter() - t0)
-    base = statistics.median(times["gathered, eager"])
+    base = statistics.median(next(iter(times.values())))
     tokens = cfg.rows * cfg.length
     for name, ts in times.items():
         med = statistics.median(ts)
-        print(f"  {name:17s} {med:7.3f} s/step  {tokens / med:8.0f} tokens/s  {med / base:5.2f}x the gathered time")
+        print(f"  {name:17s} {med:7.3f} s/step  {tokens / med:8.0f} tokens/s  {med / base:5.2f}x the first's time")
 
 
 if __name__ == "__main__":

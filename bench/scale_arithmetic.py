@@ -7,7 +7,10 @@ stated formulas where it cannot (activations, throughput).
 
 Formulas (bytes; B = 1 packed row per micro-batch, T the packing length, k the TTT steps):
 - parameters fp32 (all, the frozen embeddings included), gradients and two Adam moments fp32 (trainable ones);
-  DDP keeps all of it on every rank, FSDP2 a 1/W share (plus one layer gathered while it computes);
+  DDP keeps all of it on every rank. FSDP2 as eyas.train.parallelize applies it: a 1/W share of the trainable
+  parameters, gradients and moments; the frozen embeddings whole on every rank (left out of sharding, so never
+  gathered); and, under bf16, every trainable parameter gathered in bf16 from its first use in a micro-batch to
+  its backward (the layers are called k times a micro-batch and kept, reshard_after_forward=False);
 - the frozen output-head rows of the draft vocabulary [Vd, H] in bf16 on every rank;
 - activations saved for backward per token and TTT step, bf16: the layer input [2H], q, k, v, the attention
   output, its projection, two norms and the residual (4H), the MLP's gate, up, activation and product (4I):
@@ -85,15 +88,21 @@ def report(name: str, config: dict, gpus: int, tokens: float, samples: int, T: i
           f"head, {2 * config['vocab_size'] * H * 2 / GiB:.1f} GiB in bf16")
     print(f"draft: hidden {H}, {nh} heads x {d} ({nkv} kv), intermediate {inter}, draft vocabulary {vd:,}: "
           f"{n_draft / 1e9:.2f}B parameters, {n_train / 1e9:.2f}B trainable")
+    frozen = 4 * (n_draft - n_train)
+    sharded = {"parameters fp32": 4 * n_train / gpus + frozen, "gradients fp32": 4 * n_train / gpus,
+               "Adam moments fp32": 8 * n_train / gpus}
+    gathered = 2 * n_train  # bf16 copies of the trainable parameters, held through the micro-batch
     print("\n| per rank | DDP | FSDP2 |\n|---|---|---|")
     for what, b in states.items():
-        print(f"| {what} | {b / GiB:.1f} GiB | {b / gpus / GiB:.1f} GiB |")
+        print(f"| {what} | {b / GiB:.1f} GiB | {sharded[what] / GiB:.1f} GiB |")
+    print(f"| of which frozen embeddings (never gathered) | {frozen / GiB:.1f} GiB | {frozen / GiB:.1f} GiB |")
+    print(f"| trainable parameters gathered in bf16 | - | {gathered / GiB:.1f} GiB |")
     print(f"| output-head rows [Vd, H] bf16 | {head_rows / GiB:.2f} GiB | {head_rows / GiB:.2f} GiB |")
     print(f"| activations, T = {T:,}, k = {k} | {act / GiB:.1f} GiB | {act / GiB:.1f} GiB |")
     print(f"| attention: before (T^2) / now | {attn_before / GiB:,.0f} / {attn_now / GiB:.2f} GiB | same |")
     print(f"| cross-entropy: before / now | {ce_before / GiB:.1f} GiB / flat (row chunks) | same |")
     print(f"| total now | {(fixed + head_rows + act + attn_now) / GiB:.0f} GiB | "
-          f"{(fixed / gpus + head_rows + act + attn_now) / GiB:.0f} GiB |")
+          f"{(sum(sharded.values()) + gathered + head_rows + act + attn_now) / GiB:.0f} GiB |")
     store = store_per_token * tokens
     print(f"\nstore: {store_per_token:,} B/token x {tokens / 1e6:.1f}M tokens = {store / 2**40:.2f} TiB "
           f"({samples:,} samples)")

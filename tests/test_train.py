@@ -508,3 +508,25 @@ def test_a_compiled_run_equals_the_eager_one(store, tmp_path, monkeypatch):
         np.testing.assert_allclose(b["acc_i"], a["acc_i"], atol=1e-9)
         np.testing.assert_allclose(b["grad_norm"], a["grad_norm"], rtol=1e-4)
     np.testing.assert_allclose(compiled_val[-1]["loss_i"], eager_val[-1]["loss_i"], rtol=1e-5)
+
+
+def test_the_collective_timeout_reaches_the_process_group(store, tmp_path, monkeypatch):
+    """--collective-timeout is the timeout torch.distributed gets (train and extract); 0 or less is refused."""
+    from eyas.store.extract import ExtractConfig
+    from eyas.store.extract import run as extract
+
+    seen = []
+
+    def init(device, timeout_s):
+        seen.append(timeout_s)
+        raise KeyboardInterrupt  # stop right there
+
+    monkeypatch.setattr("eyas.core.dist.init", init)
+    with pytest.raises(KeyboardInterrupt):
+        run(TrainConfig(quiet=True, store=str(store), out=str(tmp_path / "r"), collective_timeout=1800, **SMALL))
+    with pytest.raises(KeyboardInterrupt):
+        extract(ExtractConfig(target="tiny", data=str(tmp_path), store=str(tmp_path / "s"), collective_timeout=90,
+                              quiet=True))
+    assert seen == [1800, 90]
+    with pytest.raises(EyasError, match="collective-timeout 0"):
+        TrainConfig(store=str(store), out=str(tmp_path / "r"), collective_timeout=0)

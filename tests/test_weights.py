@@ -231,3 +231,15 @@ def test_the_draft_vocabulary_reads_no_hidden_state(tmp_path, monkeypatch):
     cfg = type("C", (), {"draft_vocab": 64})()
     info, d2t = setup.draft_vocab(cfg, DistEnv(), target, reader, None)
     assert torch.equal(d2t, build_draft_vocab(reference, 64).d2t) and info["size"] == 64
+
+
+def test_the_default_feature_layers_are_three_distinct_layers():
+    """EAGLE-3's [2, L//2, L-3]: distinct from 7 layers on; 6 layers gave [2, 3, 3] (two features the same)."""
+    from eyas.core.errors import EyasError
+    from eyas.core.target import default_feature_layers
+
+    assert default_feature_layers(7) == [2, 3, 4] and default_feature_layers(30) == [2, 15, 27]
+    for n in range(7, 80):
+        assert len(set(default_feature_layers(n))) == 3
+    with pytest.raises(EyasError, match="too shallow"):
+        default_feature_layers(6)

@@ -55,6 +55,16 @@ def device_opt() -> Any:
     return opt("auto", DEVICE_HELP, check=check_device)
 
 
+def collective_timeout_opt() -> Any:
+    """--collective-timeout: how long a rank waits in a collective for the others (torch.distributed's timeout)."""
+    return opt(600.0, "seconds a rank waits for the others in a collective before it stops (a hung or lost rank); "
+                      "raise it where one rank's work between collectives can take longer", check=_positive)
+
+
+def _positive(value: float) -> str | None:
+    return None if value > 0 else f"--collective-timeout {value}: a number of seconds above 0"
+
+
 def overwrite_opt(what: str) -> Any:
     """--overwrite of an output `what` wrote (only its own files are removed)."""
     return opt(False, f"start the output anew: remove what {what} wrote there (nothing else)")

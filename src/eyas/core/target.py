@@ -167,9 +167,9 @@ _VOLATILE_CONFIG_KEYS = {"dtype", "torch_dtype", "transformers_version", "quanti
 def default_feature_layers(num_layers: int) -> list[int]:
     """EAGLE-3's low/middle/high features as HF hidden_states indices: [2, L//2, L-3] (EAGLE, SpecForge,
     speculators)."""
-    if num_layers < 6:
+    if num_layers < 7:  # 6 layers would give [2, 3, 3]
         raise EyasError(f"a target with {num_layers} layers is too shallow for three distinct feature layers",
-                        fix="pass --layers explicitly or use a target with at least 6 layers")
+                        fix="pass --layers explicitly or use a target with at least 7 layers")
     return [2, num_layers // 2, num_layers - 3]
 
 

@@ -35,15 +35,48 @@ class Capture:
             h.remove()
 
 
+class HostCopies(list):
+    """The four captured tensors on their way to the host: pinned buffers filled by non-blocking copies on a side
+    stream, so the next batch's forward runs meanwhile. `wait()` (the writer thread's) returns once they landed."""
+
+    def __init__(self, tensors: list[torch.Tensor], done):
+        super().__init__(tensors)
+        self.done = done
+
+    def wait(self) -> HostCopies:
+        self.done.synchronize()
+        return self
+
+
+_COPY_STREAMS: dict = {}
+
+
 def forward_batch(target, cap: Capture, toks: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Run the base model on right-padded ids; the four captured [B, T, H] tensors, on the CPU."""
+    """Run the base model on right-padded ids; the four captured [B, T, H] tensors on the host. On a GPU they come
+    as HostCopies still in flight (call wait() before reading them): the device never waits for the host."""
     T = max(len(t) for t in toks)
     ids = torch.zeros(len(toks), T, dtype=torch.int64)  # pads are never attended to by real tokens
     for b, t in enumerate(toks):
         ids[b, : len(t)] = t
     with torch.inference_mode():
-        target.model.model(input_ids=ids.to(target.device), use_cache=False)
-    return [o.cpu() for o in cap.out]
+        target.model.model(input_ids=ids.to(target.device, non_blocking=True), use_cache=False)
+        if target.device.type != "cuda":
+            return [o.cpu() for o in cap.out]
+        return _copy_to_host(cap.out, target.device)
+
+
+def _copy_to_host(outs: list[torch.Tensor], device) -> HostCopies:
+    """Device tensors -> pinned host tensors, copied on a side stream after the forward that made them."""
+    stream = _COPY_STREAMS.setdefault(device, torch.cuda.Stream(device))
+    stream.wait_stream(torch.cuda.current_stream(device))
+    host = [torch.empty(o.shape, dtype=o.dtype, pin_memory=True) for o in outs]
+    with torch.cuda.stream(stream):
+        for h, o in zip(host, outs):
+            h.copy_(o, non_blocking=True)
+            o.record_stream(stream)  # its memory is not reused by the next forward before the copy is done
+        done = torch.cuda.Event()
+        done.record(stream)
+    return HostCopies(host, done)
 
 
 def check_layers(layer_ids: list[int], num_layers: int) -> None:

@@ -33,7 +33,15 @@ from eyas.core.errors import EyasError, disk_full
 from eyas.core.files import check_writable, read_json, write_json
 from eyas.core.log import Console, console, fmt_bytes, fmt_duration, fmt_int
 from eyas.core.memory import tune_allocator
-from eyas.core.options import Dtype, device_opt, dtype_opt, target_opt, trust_remote_code_opt, trusted_code_line
+from eyas.core.options import (
+    Dtype,
+    collective_timeout_opt,
+    device_opt,
+    dtype_opt,
+    target_opt,
+    trust_remote_code_opt,
+    trusted_code_line,
+)
 from eyas.core.precision import FULL, SHORT, choose_dtype
 from eyas.core.target import Target, load_target
 from eyas.core.threads import Threads
@@ -70,6 +78,7 @@ class ExtractConfig(StageConfig):
                               "(which take shards round-robin) get equal shares")
     limit: int = opt(0, "extract only the first N samples of the split (0: all)")
     device: str = device_opt()
+    collective_timeout: float = collective_timeout_opt()
     threads: int = opt(0, "CPU threads per rank (0: the cores other work leaves free, shared by this node's ranks, "
                           "re-checked as it runs; an explicit OMP_NUM_THREADS also wins)")
     engine: Literal["local", "vllm"] = opt("local", "local: hooks on the target loaded here; vllm: a vLLM server runs "
@@ -119,7 +128,7 @@ def run(cfg: ExtractConfig, *, target=None) -> dict:
     `target` may be passed preloaded (tests, demo); it is then used as it is (its dtype wins over --dtype).
     """
     # with an engine the target runs in the engine: this process computes nothing and must hold no GPU it needs
-    env = dist.init("cpu" if cfg.engine == "vllm" else cfg.device)
+    env = dist.init("cpu" if cfg.engine == "vllm" else cfg.device, cfg.collective_timeout)
     con = console(env.rank, cfg.quiet, cfg.json)
     tune_allocator()
     cpu = Threads(cfg.threads, env.local_world_size, env.device, env.local_rank)
@@ -376,6 +385,8 @@ def feature_source(job: Extraction, longest: int):
 
 def _add_job(builder, rows, ids, toks, masks, feats):
     def add():
+        if hasattr(feats, "wait"):  # copies still in flight from the GPU (eyas.models.capture.HostCopies)
+            feats.wait()
         for b, (r, sid, t, m) in enumerate(zip(rows, ids, toks, masks)):
             builder.add(r, sid, t, m, [f[b] for f in feats[:3]], feats[3][b])
     return add

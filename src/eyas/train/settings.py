@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from eyas.core.config import StageConfig, check, opt
-from eyas.core.options import Dtype, device_opt, dtype_opt, target_opt, trust_remote_code_opt
+from eyas.core.options import Dtype, collective_timeout_opt, device_opt, dtype_opt, target_opt, trust_remote_code_opt
 from eyas.train.plan import EPOCHS, GRAD_ACCUM, MICRO_BATCH
 from eyas.train.trackers import TRACKERS, missing_package
 
@@ -56,6 +56,7 @@ class TrainConfig(StageConfig):
     dtype: Dtype = dtype_opt("training's compute (bf16: autocast over fp32 weights; fp16 is refused)")
     parallel: str = opt("ddp", "data parallelism over ranks: ddp, or fsdp (FSDP2 fully_shard)", choices=("ddp", "fsdp"))
     device: str = device_opt()
+    collective_timeout: float = collective_timeout_opt()
     compile: str = opt("auto", "compile the TTT step with torch.compile (one graph, no host synchronisation, the "
                        "static path): auto = on with CUDA, off on a CPU", choices=("auto", "on", "off"))
     threads: int = opt(0, "CPU threads per rank (0 = the cores divided among the ranks of this node)")

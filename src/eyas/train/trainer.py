@@ -382,7 +382,7 @@ class Trainer:
 
 def run(cfg: TrainConfig) -> dict | None:
     """Train; rank 0 returns the run's summary, other ranks None (so `--json` prints one line per run)."""
-    env = dist.init(cfg.device)
+    env = dist.init(cfg.device, cfg.collective_timeout)
     finished, lock = False, None
     try:
         lock = dist.hold_output(env, Path(cfg.out), "train")
