@@ -107,6 +107,23 @@ def test_plan_shards_and_batches_cover_every_row_once_within_budgets():
         assert all(len(b) * max(ls[p] for p in b) <= 700 or len(b) == 1 for b in batches)
 
 
+def test_an_engine_gets_concurrency_requests_whatever_the_batch_tokens():
+    """--engine vllm: plan_batches by --batch-tokens 8192 gave samples of 2,048 tokens four to a batch, so four of
+    --concurrency 16 requests were in flight; an engine's groups hold 4 x concurrency samples, within a memory
+    bound on their states, every sample once, in order."""
+    from eyas.store.shard_plan import ENGINE_GROUP_BYTES, plan_engine_batches
+
+    lengths = [2048] * 200
+    assert max(len(b) for b in plan_batches(lengths, 8192)) == 4
+    groups = plan_engine_batches(lengths, 16, bytes_per_token=4 * 576 * 4)
+    assert [p for g in groups for p in g] == list(range(200))
+    assert all(len(g) == 64 for g in groups[:-1])
+    wide = plan_engine_batches(lengths, 16, bytes_per_token=4 * 7168 * 4)  # a large target: memory bounds the group
+    assert all(sum(lengths[p] for p in g) * 4 * 7168 * 4 <= ENGINE_GROUP_BYTES for g in wide)
+    assert min(len(g) for g in wide[:-1]) >= 16  # still the concurrency asked for
+    assert plan_engine_batches([10**9], 4, 1) == [[0]]  # a sample larger than the bound goes alone
+
+
 def test_small_data_is_cut_into_min_shards_so_ranks_share_it_evenly():
     """The demo's 310 samples (308 MiB) made two shards of 256 MiB and 52 MiB, and rank 0 of two extracted 83% of
     the tokens: data smaller than min_shards shards is cut into about min_shards, and round-robin evens it out."""

@@ -15,7 +15,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "eyas"
 RANK = {"core": 0, "models": 1, "data": 2, "store": 3, "draft": 4, "train": 5, "speculate": 5, "doctor": 5,
-        "report": 5, "pipeline": 6, "cli": 7, "__main__": 8}
+        "report": 5, "pipeline": 6, "cli": 7, "__main__": 8, "torchrun": 8}  # torchrun: an entry point, as __main__
 
 
 def module_name(path: Path) -> str:

@@ -35,3 +35,18 @@ def test_a_subset_of_a_store_reads_its_own_samples(tmp_path):
     got = load_micro_batch(sub, ((0, 2), (1,)))  # samples 8+5 packed, then 2
     want = collate([[r[8], r[5]], [r[2]]])
     assert torch.equal(got.aux, want.aux) and torch.equal(got.input_ids, want.input_ids)
+
+
+def test_a_gpu_batch_of_a_compact_store_is_decoded_where_it_goes(tmp_path, monkeypatch):
+    """For a GPU (pin=True) a compact store's batch keeps its fp8 rows and exponents encoded, pinned, and
+    Batch.to decodes them on the device it moves to: the same features as decoding on the host. (This CPU has no
+    pinned memory: torch.empty's pin_memory is ignored here.)"""
+    r = StoreReader(build_store(tmp_path / "s", samples(9), compact=True))
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **kw: empty(*a, **kw))
+    encoded = read_batch(r, MICRO, repeats=1, pin=True)
+    assert encoded.aux is None and encoded.encoded["aux"].dtype == torch.float8_e4m3fn
+    host = read_batch(r, MICRO, repeats=1)
+    moved, want = encoded.to("cpu", torch.bfloat16), host.to("cpu", torch.bfloat16)
+    assert moved.encoded is None and torch.equal(moved.aux, want.aux) and torch.equal(moved.final, want.final)
+    assert torch.equal(moved.input_ids, want.input_ids)

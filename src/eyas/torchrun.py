@@ -10,14 +10,14 @@ repeats this launcher."""
 import os
 import sys
 
+from torch.distributed import run
+from torch.distributed.elastic.multiprocessing.api import SignalException
+
 LAUNCHER_ENV = "EYAS_LAUNCHER"  # read by eyas.cli.resume_command on each rank
 NAME = "eyas-torchrun"
 
 
 def main(argv: list[str] | None = None) -> int:
-    from torch.distributed import run
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
     os.environ[LAUNCHER_ENV] = NAME  # inherited by the ranks
     try:
         run.main(argv)

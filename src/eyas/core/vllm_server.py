@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import http.client
 import json
 import os
 import re
@@ -245,8 +246,8 @@ class Server:
             body = e.read().decode("utf-8", "replace")[:300]
             raise EyasError(f"the vLLM engine at {self.url} refused a request (HTTP {e.code}): {body}",
                             "the request or the engine's settings are wrong", self.fix()) from None
-        except (urllib.error.URLError, ConnectionError, OSError, ValueError) as e:
-            raise self.failure(e) from None
+        except (urllib.error.URLError, ConnectionError, OSError, ValueError, http.client.HTTPException) as e:
+            raise self.failure(e) from None  # HTTPException: a reply cut short (IncompleteRead), a dying server
 
     def died(self) -> bool:
         """Whether the server eyas started has exited (waiting a moment: a dying engine closes its sockets first)."""

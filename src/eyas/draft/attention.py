@@ -26,6 +26,7 @@ as [B, nkv, rep, T, d], so K and V are never repeated.
 from __future__ import annotations
 
 import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 # Query rows per chunk. CPU: 32-64 rows were fastest at T = 1024 and 4096 (the chunk's scores stay in cache and the
 # causal skip saves more; 1024 rows took twice as long); GPUs want larger blocks to fill the device (not measured
@@ -166,8 +167,6 @@ def chain_block_masks(doc_ids: torch.Tensor, steps: int, block: int = FLEX_BLOCK
     """The block masks of TTT steps 0..steps-1 for flex_chain_attention: step i's queries [T] over the keys
     [k_0 | ... | k_i] ((i + 1) T), the step-0 keys causal within the document of doc_ids [B,T], then the diagonal.
     Built on doc_ids' device once per micro-batch and shared by every layer."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     B, T = doc_ids.shape
 
     def mask_mod(b, h, q, kv):
@@ -183,8 +182,6 @@ def flex_chain_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list
     """chain_attention through flex_attention: q [B,nh,T,d], keys[j], values[j] [B,nkv,T,d] for j = 0..i, and
     block_mask = chain_block_masks(...)[i]. In q's dtype (bf16 under autocast: tensor cores); the softmax is the
     kernel's own (float32 accumulation). `kernel`: flex_attention compiled (flex_kernel), or the eager one."""
-    from torch.nn.attention.flex_attention import flex_attention
-
     k = torch.cat(keys, 2).to(q.dtype) if len(keys) > 1 else keys[0].to(q.dtype)
     v = torch.cat(values, 2).to(q.dtype) if len(values) > 1 else values[0].to(q.dtype)
     return (kernel or flex_attention)(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
@@ -197,7 +194,5 @@ def flex_kernel():
     """flex_attention compiled once per process (flex is fused only when compiled; inside a compiled training
     step the eager function is traced into the step's graph instead)."""
     if "flex" not in _COMPILED:
-        from torch.nn.attention.flex_attention import flex_attention
-
         _COMPILED["flex"] = torch.compile(flex_attention, dynamic=False)
     return _COMPILED["flex"]

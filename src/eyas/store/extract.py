@@ -49,7 +49,15 @@ from eyas.core.weights import load_target_shell, read_module
 from eyas.data.prepared import open_prepared
 from eyas.models.capture import Capture, check_layers, forward_batch
 from eyas.store.layout import SHARD_DIR, bytes_per_token, shard_name
-from eyas.store.shard_plan import HEADER_BYTES, free_bytes, plan_batches, plan_shards, plan_text, shard_indices
+from eyas.store.shard_plan import (
+    HEADER_BYTES,
+    free_bytes,
+    plan_batches,
+    plan_engine_batches,
+    plan_shards,
+    plan_text,
+    shard_indices,
+)
 from eyas.store.shards import shard_index
 from eyas.store.vllm_states import engine_dtype, engine_features, open_engine
 from eyas.store.writer import BackgroundWriter, ShardBuilder, check_coverage, write_manifest
@@ -72,7 +80,8 @@ class ExtractConfig(StageConfig):
     compact: bool = opt(False, "store fp8 e4m3 with per-row power-of-two scales (half the bytes; see docs/store.md)")
     attn: Literal["auto", "sdpa", "eager"] = opt("auto", "attention kernel; auto keeps the target's (sdpa). "
                                                  "eager makes results independent of batching and padding")
-    batch_tokens: int = opt(8192, "padded tokens per forward batch (batch size x longest sample)")
+    batch_tokens: int = opt(8192, "padded tokens per forward batch (batch size x longest sample) of the local "
+                                  "target; an engine keeps --concurrency requests in flight instead")
     shard_mb: float = opt(256.0, "target size of a shard file in MiB (a crash loses at most the shard in progress)")
     min_shards: int = opt(64, "cut data smaller than this many --shard-mb into about this many shards, so that ranks "
                               "(which take shards round-robin) get equal shares")
@@ -342,7 +351,10 @@ def _run_shards(job: Extraction, todo: list[int], features, writer: BackgroundWr
     for k in todo:
         rows = shards[k]
         builder = ShardBuilder(shard_name(k), sum(lengths[r] for r in rows), hidden, cfg.compact)
-        for batch in plan_batches([lengths[r] for r in rows], cfg.batch_tokens):
+        sizes = [lengths[r] for r in rows]
+        batches = (plan_engine_batches(sizes, cfg.concurrency, 4 * hidden * engine_dtype(cfg).itemsize)
+                   if cfg.engine == "vllm" else plan_batches(sizes, cfg.batch_tokens))  # engine states: [T, 4, H]
+        for batch in batches:
             brows = [rows[p] for p in batch]
             ids, toks, masks = fetch_rows(job.ds, brows, where)
             feats = features(toks)

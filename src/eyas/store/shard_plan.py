@@ -59,6 +59,25 @@ def plan_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     return batches + ([cur] if cur else [])
 
 
+ENGINE_GROUP_BYTES = 4 << 30  # the engine's states a group holds in host memory at most ([T, 4, H] per sample)
+
+
+def plan_engine_batches(lengths: list[int], concurrency: int, bytes_per_token: int) -> list[list[int]]:
+    """Positions 0..n-1 grouped for an engine (--engine vllm), whose samples are separate requests: up to
+    4 x `concurrency` samples per group, so `concurrency` requests stay in flight through most of each group
+    whatever --batch-tokens says, and the group's states (`bytes_per_token` each) within ENGINE_GROUP_BYTES
+    (>= 1 sample each)."""
+    budget = max(1, ENGINE_GROUP_BYTES // max(1, bytes_per_token))
+    batches, cur, tokens = [], [], 0
+    for p, n in enumerate(lengths):
+        if cur and (len(cur) >= 4 * concurrency or tokens + n > budget):
+            batches.append(cur)
+            cur, tokens = [], 0
+        cur.append(p)
+        tokens += n
+    return batches + ([cur] if cur else [])
+
+
 def free_bytes(path: Path) -> int:
     """Free bytes on the disk that holds `path` (its nearest existing parent)."""
     p = path.resolve()

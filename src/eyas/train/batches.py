@@ -165,6 +165,9 @@ class Batch:
     repeats: int  # of which padding repeats
     tokens: int  # real (non-padding) tokens
     docs: tuple[tuple[int, int, int], ...]  # (row, start, length) of every sample: online feature extraction
+    # a compact store's stored rows (fp8 features and their exponents), still encoded: decoded where the batch goes
+    # (Batch.to), so on a GPU the device decodes them and the host copies half the bytes (aux and final are None)
+    encoded: dict[str, torch.Tensor] | None = None
 
     def to(self, device: str, dtype: torch.dtype | None = None) -> Batch:
         nb = str(device).startswith("cuda")
@@ -175,9 +178,12 @@ class Batch:
             t = t.to(device, non_blocking=nb)
             return t.to(dtype) if float_ and dtype is not None else t
 
+        aux, final = self.aux, self.final
+        if self.encoded is not None:
+            aux, final = features({n: t.to(device, non_blocking=nb) for n, t in self.encoded.items()})
         return dataclasses.replace(self, input_ids=mv(self.input_ids), loss_mask=mv(self.loss_mask),
                                    position_ids=mv(self.position_ids), doc_ids=mv(self.doc_ids),
-                                   aux=mv(self.aux, True), final=mv(self.final, True))
+                                   aux=mv(aux, True), final=mv(final, True), encoded=None)
 
     def padded(self, multiple: int) -> Batch:
         """The batch with T rounded up to a multiple of `multiple` by padding positions (loss mask 0, doc -1, zero
@@ -246,7 +252,8 @@ def read_batch(store, micro: tuple[tuple[int, ...], ...], repeats: int = 0, pin:
     lens = [sum(r) for r in row_lengths]
     B, T = len(micro), max(lens)
     specs = store.row_specs
-    pinned = ("aux", "final") if pin and "aux_exp" not in specs else ()  # compact: the decoded features are pinned
+    compact = "aux_exp" in specs
+    pinned = ("aux", "final", "aux_exp", "final_exp") if pin else ()  # a GPU's batch: its features copied async
     raw = {n: torch.empty(B, T, *shape, dtype=dt, pin_memory=n in pinned) for n, (dt, shape) in specs.items()}
     flat = [t.view(torch.uint8).numpy().reshape(B, -1) for t in raw.values()]  # byte views, made once a batch
     for r, unit in enumerate(micro):
@@ -256,10 +263,12 @@ def read_batch(store, micro: tuple[tuple[int, ...], ...], repeats: int = 0, pin:
             at += store.read_into(int(i), out, at)
         for a in out.values():  # padding: zero ids and mask, and features that cannot be NaN
             a[at * (len(a) // T):] = 0
-    aux, final = features(raw)
-    if pin and not aux.is_pinned():
-        aux, final = aux.pin_memory(), final.pin_memory()
     pos, doc, docs = positions(row_lengths, T)
+    if compact and pin:  # decoded on the device it goes to (Batch.to)
+        encoded = {n: raw[n] for n in ("aux", "final", "aux_exp", "final_exp")}
+        return Batch(raw["input_ids"].long(), raw["loss_mask"].long(), pos, doc, None, None,
+                     sum(len(u) for u in micro), repeats, sum(lens), docs, encoded)
+    aux, final = features(raw)
     return Batch(raw["input_ids"].long(), raw["loss_mask"].long(), pos, doc, aux, final,
                  sum(len(u) for u in micro), repeats, sum(lens), docs)
 
