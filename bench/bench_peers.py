@@ -72,7 +72,7 @@ from eyas.core.config import check, opt, parse
 from eyas.core.errors import EyasError
 from eyas.core.files import write_json
 from eyas.core.options import target_opt
-from eyas.core.paths import shared_data_dir
+from eyas.data.builtin import builtin_file
 
 PEERS_DIR = Path(__file__).resolve().parents[2] / "shared" / "peers"
 TRAINERS = ("eyas", "speculators", "specforge")
@@ -83,7 +83,7 @@ OWNED = {"--seed", "--data-fraction", "--val-fraction", "--val-store", "--store"
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PeersConfig:
     samples: int = opt(SAMPLES, "the first N GSM8K train conversations")
-    gsm8k: str = opt("", "GSM8K train JSONL (empty: the shared data's gsm8k/train.jsonl)")
+    gsm8k: str = opt("", "GSM8K train JSONL (empty: the copy eyas ships, gsm8k-train)")
     target: str = target_opt()
     layers: tuple[int, ...] = opt((2, 15, 27), "HF hidden-state indices of the features (three)")
     extract_dtype: Literal["bf16", "fp32"] = opt("bf16", "the target's forward pass")
@@ -149,9 +149,8 @@ class PeersConfig:
 
     def settled(self) -> PeersConfig:
         """The defaults that depend on other settings, filled in: --epochs 0 is 1 (4 with --accuracy), --heldout 0
-        is 50 with --accuracy on GSM8K, an empty --gsm8k the shared data's."""
-        data = shared_data_dir()
-        return dataclasses.replace(self, gsm8k=self.gsm8k or (str(data / "gsm8k" / "train.jsonl") if data else ""),
+        is 50 with --accuracy on GSM8K, an empty --gsm8k the copy eyas ships (gsm8k-train)."""
+        return dataclasses.replace(self, gsm8k=self.gsm8k or str(builtin_file("gsm8k-train")),
                                    epochs=self.epochs or (4 if self.accuracy else 1),
                                    heldout=self.heldout or (50 if self.accuracy and not self.store else 0))
 
