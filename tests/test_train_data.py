@@ -1,5 +1,7 @@
 """The trainer's batches from a store: read straight into the batch (read_batch) equals collating the samples."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -50,3 +52,32 @@ def test_a_gpu_batch_of_a_compact_store_is_decoded_where_it_goes(tmp_path, monke
     moved, want = encoded.to("cpu", torch.bfloat16), host.to("cpu", torch.bfloat16)
     assert moved.encoded is None and torch.equal(moved.aux, want.aux) and torch.equal(moved.final, want.final)
     assert torch.equal(moved.input_ids, want.input_ids)
+
+
+def test_the_static_path_pads_to_a_few_lengths_and_fsdp_is_not_compiled_whole(tmp_path):
+    """A compiled step compiles once per shape: lengths padded to powers of two (>= 256) give a handful; FSDP2's
+    per-layer hooks cannot sit inside one whole-step graph, so under FSDP2 the static path runs eagerly."""
+    from eyas.train.objective import choose_path
+
+    b = read_batch(StoreReader(build_store(tmp_path / "s", samples(9))), MICRO)
+    T = b.input_ids.shape[1]
+    for smallest, want in ((256, 256), (8, 1 << (T - 1).bit_length())):
+        p = b.padded(smallest)
+        assert p.input_ids.shape[1] == max(want, T) and torch.equal(p.input_ids[:, :T], b.input_ids)
+        assert (p.loss_mask[:, T:] == 0).all() and (p.doc_ids[:, T:] == -1).all() and not p.aux[:, T:].any()
+    lengths = {b.padded(256).input_ids.shape[1] for b in [dataclass_with_T(b, t) for t in range(1, 4097, 37)]}
+    assert lengths == {256, 512, 1024, 2048, 4096}
+    assert choose_path("cuda:0", "auto")[:2] == ("static", True)
+    assert choose_path("cuda:0", "auto", sharded=True)[:2] == ("static", False)
+    assert "not compiled under FSDP2" in choose_path("cuda:0", "on", sharded=True)[2]
+    assert choose_path("cpu", "auto")[:2] == ("gathered", False) and choose_path("cpu", "on")[:2] == ("static", True)
+
+
+def dataclass_with_T(b, T: int):
+    """b cut or tiled to T positions (only its shape matters here)."""
+    def fit(t):
+        reps = -(-T // t.shape[1])
+        return t.repeat(1, reps, *([1] * (t.dim() - 2)))[:, :T]
+    return dataclasses.replace(b, input_ids=fit(b.input_ids), loss_mask=fit(b.loss_mask),
+                               position_ids=fit(b.position_ids), doc_ids=fit(b.doc_ids), aux=fit(b.aux),
+                               final=fit(b.final))

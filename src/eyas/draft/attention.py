@@ -173,8 +173,9 @@ def chain_block_masks(doc_ids: torch.Tensor, steps: int, block: int = FLEX_BLOCK
         s = kv % T
         return torch.where(kv < T, (s <= q) & (doc_ids[b, q] == doc_ids[b, s]), s == q)
 
-    return [create_block_mask(mask_mod, B, None, T, (i + 1) * T, device=doc_ids.device, BLOCK_SIZE=block)
-            for i in range(steps)]
+    fused = doc_ids.is_cuda and not torch.compiler.is_compiling()  # else the dense [B,T,(i+1)T] mask is built
+    return [create_block_mask(mask_mod, B, None, T, (i + 1) * T, device=doc_ids.device, BLOCK_SIZE=block,
+                              _compile=fused) for i in range(steps)]
 
 
 def flex_chain_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], block_mask,
@@ -194,5 +195,6 @@ def flex_kernel():
     """flex_attention compiled once per process (flex is fused only when compiled; inside a compiled training
     step the eager function is traced into the step's graph instead)."""
     if "flex" not in _COMPILED:
-        _COMPILED["flex"] = torch.compile(flex_attention, dynamic=False)
+        _COMPILED["flex"] = torch.compile(flex_attention, dynamic=False)  # one entry per (T, step): see below
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # else unfused [T,kT]
     return _COMPILED["flex"]

@@ -67,7 +67,9 @@ def forward_batch(target, cap: Capture, toks: list[torch.Tensor]) -> list[torch.
 
 def _copy_to_host(outs: list[torch.Tensor], device) -> HostCopies:
     """Device tensors -> pinned host tensors, copied on a side stream after the forward that made them."""
-    stream = _COPY_STREAMS.setdefault(device, torch.cuda.Stream(device))
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    stream = _COPY_STREAMS[device]
     stream.wait_stream(torch.cuda.current_stream(device))
     host = [torch.empty(o.shape, dtype=o.dtype, pin_memory=True) for o in outs]
     with torch.cuda.stream(stream):

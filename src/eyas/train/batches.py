@@ -185,11 +185,12 @@ class Batch:
                                    position_ids=mv(self.position_ids), doc_ids=mv(self.doc_ids),
                                    aux=mv(aux, True), final=mv(final, True), encoded=None)
 
-    def padded(self, multiple: int) -> Batch:
-        """The batch with T rounded up to a multiple of `multiple` by padding positions (loss mask 0, doc -1, zero
-        features), which no TTT step counts: a compiled step then sees a few shapes, not one per length."""
+    def padded(self, smallest: int) -> Batch:
+        """The batch with T rounded up to a power of two of at least `smallest` by padding positions (loss mask 0,
+        doc -1, zero features), which no TTT step counts: a compiled step then sees a handful of shapes (each one
+        a compilation), not one per length."""
         T = self.input_ids.shape[1]
-        extra = -T % multiple
+        extra = max(smallest, 1 << (T - 1).bit_length()) - T
         if not extra:
             return self
 

@@ -16,7 +16,8 @@ from eyas.draft.model import Eagle3Draft
 from eyas.draft.ttt import ttt_forward
 from eyas.train.batches import needed_rows, sparse_target_logp
 
-STATIC_MULTIPLE = 256  # the static path's micro-batches are padded to a multiple of this many positions
+STATIC_MULTIPLE = 256  # the static path's micro-batches are padded to a power of two of at least this many positions
+RECOMPILE_LIMIT = 64  # compilations of the step a run may need: padded lengths x batch sizes x train/validation
 COMPILE_BACKEND = "inductor"  # torch.compile's; the tests trace with aot_eager (the same graph, no code generated)
 
 
@@ -31,6 +32,8 @@ class TTTObjective(nn.Module):
     def __init__(self, draft: Eagle3Draft, steps: int, path: str = "gathered", compiled: bool = False):
         super().__init__()
         self.draft, self.steps, self.path = draft, steps, path
+        if compiled:  # fullgraph fails hard past the limit (default 8), where a run's shapes can take it
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self.ttt = torch.compile(ttt_forward, fullgraph=True, backend=COMPILE_BACKEND) if compiled else ttt_forward
 
     def forward(self, input_ids, aux, target_logp, target_index, loss_mask, position_ids, doc_ids, step_scale=None):
@@ -48,15 +51,19 @@ def targets(path: str, final: torch.Tensor, head_rows: torch.Tensor, valid: torc
     return sparse_target_logp(final, head_rows, needed_rows(valid))
 
 
-def choose_path(device: str, compile_opt: str) -> tuple[str, bool, str]:
+def choose_path(device: str, compile_opt: str, sharded: bool = False) -> tuple[str, bool, str]:
     """--compile (auto, on, off) on `device` -> (TTT path, compiled, the line that says so). auto: compiled with CUDA
     (the static path, fused by inductor, no host synchronisation); on a CPU the gathered path eagerly, which
-    computes only the counted rows and measured faster there (docs/train.md)."""
+    computes only the counted rows and measured faster there (docs/train.md). sharded (FSDP2): not compiled as one
+    graph, since FSDP2's per-layer hooks are never compiled and would break it (the static path stays, eager)."""
     cuda = device.startswith("cuda")
     compiled = compile_opt == "on" or (compile_opt == "auto" and cuda)
-    path = "static" if compiled or cuda else "gathered"
+    why = ""
+    if compiled and sharded:
+        compiled, why = False, " (not compiled under FSDP2: its per-layer hooks break a whole-step graph)"
+    path = "static" if compiled or cuda or compile_opt == "on" else "gathered"
     how = "compiled (torch.compile, fullgraph)" if compiled else "eager"
-    return path, compiled, f"TTT step: {path} path, {how}"
+    return path, compiled, f"TTT step: {path} path, {how}{why}"
 
 
 def autocast(device: str, dtype: str):

@@ -114,7 +114,7 @@ def setup(cfg, env, con) -> TrainParts:
     vocab_info, d2t = draft_vocab(cfg, env, target, train_src, ckpt)
     draft_cfg = DraftConfig.for_target(target, int(d2t.numel()), layer_ids, cfg.num_layers, cfg.fc_norm)
     draft, head_rows = build_draft(cfg, env, dtype, target, draft_cfg, d2t, ckpt)
-    path, compiled, path_line = choose_path(env.device, cfg.compile)
+    path, compiled, path_line = choose_path(env.device, cfg.compile, env.distributed and cfg.parallel == "fsdp")
     con.print(path_line)
     model = wrap(TTTObjective(draft, cfg.ttt_steps, path, compiled), cfg.parallel, env, dtype)
     optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, env.device)
