@@ -69,6 +69,15 @@ def test_every_stage_that_writes_a_folder_is_refused_while_another_run_holds_it(
         assert out.exists(), name
 
 
+def wait_for_training(proc, out: Path, timeout: float = 120) -> None:
+    """Until the run `proc` writes into `out` has logged its first step (it must not exit first)."""
+    deadline = time.time() + timeout
+    while not (out / "metrics.jsonl").is_file() and time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.5)
+    assert (out / "metrics.jsonl").is_file(), "the run never started training"
+
+
 def torchrun(args, port=None):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
@@ -82,11 +91,7 @@ def test_a_second_torchrun_is_refused_on_every_rank_and_a_killed_launchers_ranks
     out = tmp_path / "run"
     first = torchrun(["--store", str(store), "--out", str(out), "--epochs", "50", *SMALL])
     try:
-        deadline = time.time() + 120
-        while not (out / "metrics.jsonl").is_file() and time.time() < deadline:
-            assert first.poll() is None, first.communicate()[1][-3000:]
-            time.sleep(0.5)
-        assert (out / "metrics.jsonl").is_file(), "the first run never started training"
+        wait_for_training(first, out)
         # a second launch on the same run folder, and a --resume beside it: both refused on both ranks, no hang
         for extra in ([], ["--resume"]):
             second = torchrun(["--store", str(store), "--out", str(out), "--epochs", "50", *SMALL, *extra])
@@ -117,10 +122,7 @@ def test_sigterm_stops_a_stage_with_its_resume_hint(store, tmp_path):
                              "--epochs", "50", "--checkpoint-every", "2", *SMALL],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
-    deadline = time.time() + 120
-    while not (out / "metrics.jsonl").is_file() and time.time() < deadline:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        time.sleep(0.5)
+    wait_for_training(proc, out)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-3000:]
@@ -138,11 +140,7 @@ def test_a_stopped_eyas_torchrun_ends_in_one_line_with_the_resume_hint(store, tm
     proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        deadline = time.time() + 120
-        while not (out / "metrics.jsonl").is_file() and time.time() < deadline:
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            time.sleep(0.5)
-        assert (out / "metrics.jsonl").is_file(), "the run never started training"
+        wait_for_training(proc, out)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
     finally:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from eyas.draft.cross_entropy import TargetRows
+from eyas.draft.cross_entropy import TargetRows, _autocast_dtype
 
 BLOCK = {"cpu": 256, "cuda": 2048}  # positions of one row per block
 
@@ -69,10 +69,6 @@ def static_cross_entropy(h: torch.Tensor, W: torch.Tensor, target, weight: torch
         with torch.autocast(h.device.type, enabled=False):
             return _blocks(h, W, weight, target, dt, block, False, False)[:2]
     return StaticCrossEntropy.apply(h, W, weight, block, *target)
-
-
-def _autocast_dtype(kind: str) -> torch.dtype | None:
-    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 
 def _blocks(h, W, weight, target, dt, block: int, want_dh: bool, want_dW: bool):

@@ -103,19 +103,10 @@ def ttt_forward(model: Eagle3Draft, input_ids: torch.Tensor, aux: torch.Tensor, 
     if path != "gathered":
         raise ValueError(f"unknown TTT path {path!r}: one of {', '.join(PATHS)}")
     chunks = query_chunks(doc_ids, CHUNK.get(dev.type, CHUNK["cuda"]))  # once for every layer and step
-    hidden = model.fuse(aux)  # [B,T,H]
-    layers = model.all_layers()
-    keys = [[] for _ in layers]
-    values = [[] for _ in layers]
+    attend = functools.partial(chain_attention, doc_ids=doc_ids, chunks=chunks)
     rows, target_rows, count = [], [], []
-    for i in range(steps):
-        tokens = shift_left(input_ids, 1 + i)  # x[t+1+i]
-        embeds = model.embed_tokens(tokens).to(hidden.dtype)
-        cos, sin = model.rope(position_ids + i, hidden.dtype)
-        attend = functools.partial(_chunked, doc_ids=doc_ids, chunks=chunks)
-        for li, layer in enumerate(layers):
-            hidden = layer(hidden, embeds, cos, sin, _keeping(keys[li], values[li], attend))
-        valid = _counted(model, input_ids, loss_mask, doc_ids, i)
+    for i, hidden in enumerate(_unroll(model, input_ids, aux, position_ids, [attend] * steps)):
+        valid = counted(input_ids, loss_mask, doc_ids, model.t2d, i)
         rows.append(hidden[valid])  # [N_i,H], only counted positions
         b, t = valid.nonzero(as_tuple=True)
         target_rows.append(b * T + t + 1 + i)  # rows of the target viewed [B*T,...]: p_{t+1+i}
@@ -138,6 +129,21 @@ def ttt_forward(model: Eagle3Draft, input_ids: torch.Tensor, aux: torch.Tensor, 
     return TTTResult(loss_sum, correct, count)
 
 
+def _unroll(model: Eagle3Draft, input_ids, aux, position_ids, attends: list):
+    """The draft unrolled for len(attends) TTT steps: yields its hidden state [B,T,H] after each. attends[i] is step
+    i's attention, attend(q, keys, values) over the step's keys and values and every earlier step's."""
+    hidden = model.fuse(aux)  # [B,T,H]
+    layers = model.all_layers()
+    keys = [[] for _ in layers]
+    values = [[] for _ in layers]
+    for i, attend in enumerate(attends):
+        embeds = model.embed_tokens(shift_left(input_ids, 1 + i)).to(hidden.dtype)  # x[t+1+i]
+        cos, sin = model.rope(position_ids + i, hidden.dtype)
+        for li, layer in enumerate(layers):
+            hidden = layer(hidden, embeds, cos, sin, _keeping(keys[li], values[li], attend))
+        yield hidden
+
+
 def _keeping(keys: list, values: list, attend):
     """The layer's attention at one TTT step: keep the step's k and v beside the earlier steps', then attend over
     them all (attend(q, keys, values))."""
@@ -148,18 +154,11 @@ def _keeping(keys: list, values: list, attend):
     return attention
 
 
-def _flex(q, keys, values, mask, kernel):
-    return flex_chain_attention(q, keys, values, mask, kernel)
-
-
-def _chunked(q, keys, values, doc_ids, chunks):
-    return chain_attention(q, keys, values, doc_ids, chunks)
-
-
-def _counted(model: Eagle3Draft, input_ids, loss_mask, doc_ids, i: int) -> torch.Tensor:
-    """[B,T] bool: the positions TTT step i counts (x[t+2+i] loss-masked, in the draft vocabulary, same document)."""
+def counted(input_ids, loss_mask, doc_ids, t2d: torch.Tensor, i: int) -> torch.Tensor:
+    """[B,T] bool: the positions TTT step i counts: x[t+2+i] loss-masked, in the draft vocabulary (t2d [V]) and in
+    the same document (eyas.train.batches.valid_masks takes the same rule on the host copy of a batch)."""
     predicted = shift_left(input_ids, 2 + i)  # x[t+2+i]
-    return (shift_left(loss_mask, 2 + i) > 0) & model.t2d[predicted] & (shift_left(doc_ids, 2 + i, -1) == doc_ids)
+    return (shift_left(loss_mask, 2 + i) > 0) & t2d[predicted] & (shift_left(doc_ids, 2 + i, -1) == doc_ids)
 
 
 def _static(model, input_ids, aux, target, loss_mask, steps, position_ids, doc_ids, step_scale,
@@ -169,27 +168,14 @@ def _static(model, input_ids, aux, target, loss_mask, steps, position_ids, doc_i
     if attention == "flex":
         masks = chain_block_masks(doc_ids, steps)
         kernel = flex_kernel() if input_ids.device.type == "cuda" and not torch.compiler.is_compiling() else None
+        attends = [functools.partial(flex_chain_attention, block_mask=m, kernel=kernel) for m in masks]
     elif attention == "chunked":
         chunks = static_chunks(T, CHUNK.get(input_ids.device.type, CHUNK["cuda"]))
+        attends = [functools.partial(chain_attention, doc_ids=doc_ids, chunks=chunks)] * steps
     else:
         raise ValueError(f"unknown TTT attention {attention!r}: flex or chunked")
-    hidden = model.fuse(aux)  # [B,T,H]
-    layers = model.all_layers()
-    keys = [[] for _ in layers]
-    values = [[] for _ in layers]
-    states, counted = [], []
-    for i in range(steps):
-        embeds = model.embed_tokens(shift_left(input_ids, 1 + i)).to(hidden.dtype)  # x[t+1+i]
-        cos, sin = model.rope(position_ids + i, hidden.dtype)
-        if attention == "flex":
-            attend = functools.partial(_flex, mask=masks[i], kernel=kernel)
-        else:
-            attend = functools.partial(_chunked, doc_ids=doc_ids, chunks=chunks)
-        for li, layer in enumerate(layers):
-            hidden = layer(hidden, embeds, cos, sin, _keeping(keys[li], values[li], attend))
-        states.append(hidden)
-        counted.append(_counted(model, input_ids, loss_mask, doc_ids, i))
-    valid = torch.stack(counted)  # [k,B,T]
+    states = list(_unroll(model, input_ids, aux, position_ids, attends))
+    valid = torch.stack([counted(input_ids, loss_mask, doc_ids, model.t2d, i) for i in range(steps)])  # [k,B,T]
     weight = None if step_scale is None else valid.float() * step_scale.float().to(valid.device)[:, None, None]
     if (target.final if isinstance(target, TargetRows) else target).dim() != 3:
         raise ValueError("the static TTT path takes targets over every position: [B,T,Vd] or TargetRows [B,T,H]")

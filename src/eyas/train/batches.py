@@ -28,7 +28,7 @@ import torch
 from eyas.core.errors import EyasError
 from eyas.data.prepared import open_prepared
 from eyas.draft.cross_entropy import TargetRows
-from eyas.draft.ttt import shift_left
+from eyas.draft.ttt import counted
 from eyas.models.capture import Capture
 from eyas.store.layout import features
 from eyas.store.reader import StoreReader, check_tokens
@@ -334,11 +334,7 @@ def valid_masks(input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch
                 steps: int) -> torch.Tensor:
     """[k,B,T] bool: the positions TTT step i counts (the rule of eyas.draft.ttt.ttt_forward: x[t+2+i] loss-masked,
     in the draft vocabulary and in the same document). Cheap, so the global counts are known before backward."""
-    out = []
-    for i in range(steps):
-        predicted = shift_left(input_ids, 2 + i)
-        out.append((shift_left(loss_mask, 2 + i) > 0) & t2d[predicted] & (shift_left(doc_ids, 2 + i, -1) == doc_ids))
-    return torch.stack(out)
+    return torch.stack([counted(input_ids, loss_mask, doc_ids, t2d, i) for i in range(steps)])
 
 
 def needed_rows(valid: torch.Tensor) -> torch.Tensor:
