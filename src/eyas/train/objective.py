@@ -16,7 +16,7 @@ from eyas.draft.model import Eagle3Draft
 from eyas.draft.ttt import ttt_forward
 from eyas.train.batches import needed_rows, sparse_target_logp
 
-STATIC_MULTIPLE = 256  # the static path's micro-batches are padded to a power of two of at least this many positions
+STATIC_MIN_LENGTH = 256  # the static path's micro-batches are padded to a power of two of at least this many positions
 RECOMPILE_LIMIT = 64  # compilations of the step a run may need: padded lengths x batch sizes x train/validation
 COMPILE_BACKEND = "inductor"  # torch.compile's; the tests trace with aot_eager (the same graph, no code generated)
 

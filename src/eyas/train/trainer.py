@@ -31,7 +31,7 @@ from eyas.train.batches import (
     valid_masks,
 )
 from eyas.train.heldout import masked_batches, per_step, validation_sums
-from eyas.train.objective import STATIC_MULTIPLE, autocast, targets
+from eyas.train.objective import STATIC_MIN_LENGTH, autocast, targets
 from eyas.train.optimizer import lr_at
 from eyas.train.parallelize import draft_of, full_model_state, full_optimizer_state, no_sync
 from eyas.train.plan import compute_plan
@@ -184,7 +184,7 @@ class Trainer:
         batch = batch.to(self.env.device, feat)
         if self.cfg.online:
             batch = capture_features(self.parts.target, self.parts.layer_ids, batch).to(self.env.device, feat)
-        return batch.padded(STATIC_MULTIPLE) if self.parts.path == "static" else batch
+        return batch.padded(STATIC_MIN_LENGTH) if self.parts.path == "static" else batch
 
     def noisy(self, batch, micro: int):
         """The batch with --feature-noise added to its target features: a generator seeded by the seed, rank, step
