@@ -72,9 +72,11 @@ def launched(store, tmp_path_factory):
     root = tmp_path_factory.mktemp("launched")
     jobs = {}
     exact = dict(store=store, micro_batch=2, dtype="fp32", lr=1e-2, **SMALL)
-    jobs["ddp"] = [torchrun({**exact, "out": root / "ddp"}, ids_dir=root / "ddp-ids")]
+    # --metrics-every 3: the figures of 3 steps read back at once (one all-reduce), then written step by step
+    jobs["ddp"] = [torchrun({**exact, "out": root / "ddp", "metrics_every": 3}, ids_dir=root / "ddp-ids")]
     jobs["fsdp"] = [torchrun({**exact, "out": root / "fsdp", "parallel": "fsdp", "json": True})]
-    jobs["fsdp-val"] = [torchrun({**VALIDATED, **exact, "out": root / "fsdp-val", "parallel": "fsdp"})]
+    jobs["fsdp-val"] = [torchrun({**VALIDATED, **exact, "out": root / "fsdp-val", "parallel": "fsdp",
+                                  "metrics_every": 3})]
     port = free_port()  # two nodes of one process each; 32 samples = 2 x 16: 0 padded
     nodes = dict(store=store, out=root / "nodes", micro_batch=3, **SMALL)
     jobs["nodes"] = [torchrun(nodes, nproc=1, ids_dir=root / "nodes-ids", port=port,
@@ -268,6 +270,41 @@ def test_validation_pass_and_max_steps(store, tmp_path):
     assert s["steps"] == 2 * 8  # 24 training samples / 3 per step
     s2 = run(TrainConfig(quiet=True, store=str(store), out=str(tmp_path / "short"), max_steps=3, **SMALL))
     assert s2["steps"] == 3 and len(metrics(tmp_path / "short")) == 3
+
+
+def test_step_figures_are_read_back_once_per_interval_and_equal_the_per_step_reads(store, tmp_path, monkeypatch):
+    """--metrics-every 5: the device's figures come back in one read for 5 steps (the first step alone, an epoch's
+    end and a checkpoint read what is pending), and metrics.jsonl and the checkpoint's progress are the ones a
+    read after every step gives."""
+    from eyas.train.trainer import Trainer
+
+    reads = []
+    real = Trainer.read_steps
+
+    def counted(self):
+        if self.pending:
+            reads.append([r.step for r in self.pending])
+        real(self)
+
+    monkeypatch.setattr(Trainer, "read_steps", counted)
+    cfg = dict(store=str(store), micro_batch=2, grad_accum=1, epochs=2, checkpoint_every=7, keep_checkpoints=10,
+               lr=1e-2, dtype="fp32", **SMALL)
+    every = run(TrainConfig(quiet=True, out=str(tmp_path / "every"), metrics_every=1, **cfg))
+    del reads[:]
+    batched = run(TrainConfig(quiet=True, out=str(tmp_path / "five"), metrics_every=5, **cfg))
+    # 16 steps an epoch: read after step 1, 6, 7 (checkpoint), 12, 14 (checkpoint), 16 (epoch end), 21, 26,
+    # 28 (checkpoint), 32
+    assert reads == [[1], [2, 3, 4, 5, 6], [7], [8, 9, 10, 11, 12], [13, 14], [15, 16], [17, 18, 19, 20, 21],
+                     [22, 23, 24, 25, 26], [27, 28], [29, 30, 31, 32]]
+    a, b = metrics(tmp_path / "every"), metrics(tmp_path / "five")
+    timing = {"tokens_per_s", "elapsed_s", "time"}
+    assert [{k: v for k, v in m.items() if k not in timing} for m in b] == \
+        [{k: v for k, v in m.items() if k not in timing} for m in a]
+    assert all(x["time"] <= y["time"] for x, y in zip(b, b[1:]))  # each step stamped when it ended, in order
+    for key in ("steps", "samples", "tokens", "final_loss", "final_acc_i"):
+        assert batched[key] == every[key], key
+    state = json.loads((tmp_path / "five" / "checkpoints" / "step-00000007" / "trainer_state.json").read_text())
+    assert (state["step"], state["samples_seen_global"], state["epoch_samples_global"]) == (7, 7 * 2, 7 * 2)
 
 
 def test_held_out_accuracy_of_a_saved_draft_equals_the_trainers_validation(tiny_target, store, tmp_path):

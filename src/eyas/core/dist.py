@@ -172,6 +172,16 @@ def all_reduce_sum(values: list[float], env: DistEnv) -> list[float]:
     return t.tolist()
 
 
+def all_reduce_tensor(t: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    """Sum a tensor over ranks and leave the sum where the tensor is: nothing is read back to the host (NCCL queues
+    the reduction on the device's stream; gloo reduces host tensors, where reading costs nothing)."""
+    if not env.distributed:
+        return t
+    c = t.to(_collective_device(env))
+    dist.all_reduce(c)
+    return c.to(t.device, non_blocking=True)
+
+
 def all_reduce_counts(counts: np.ndarray, env: DistEnv) -> np.ndarray:
     """Sum an int64 array over ranks, exactly (token frequencies)."""
     if not env.distributed:

@@ -268,7 +268,7 @@ def load_checkpoint(folder: str | Path) -> tuple[dict, dict, dict]:
 
 # Settings that may change between a run and its resumption: they do not change what is computed.
 RESUMABLE_CHANGES = {"quiet", "json", "resume", "checkpoint_every", "keep_checkpoints", "tracker", "threads",
-                     "collective_timeout", "compile",
+                     "collective_timeout", "compile", "metrics_every",
                      "prefetch", "device",
                      "out",  # a run folder moved or copied (to another disk, off a cluster) resumes where it is
                      "skip_bad_shards"}  # the data it leaves out is compared on its own (train_setup.skipped_data)

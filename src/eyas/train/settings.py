@@ -72,13 +72,17 @@ class TrainConfig(StageConfig):
     tracker: tuple[str, ...] = opt((), "also send rank 0's metrics to: tensorboard (OUT/tensorboard), wandb "
                                        "(Weights & Biases; WANDB_MODE=offline works without a network), mlflow "
                                        "(MLFLOW_TRACKING_URI); docs/train.md")
+    metrics_every: int = opt(0, "read the step figures (loss, accuracy, gradient norm) back from the device every N "
+                                "optimizer steps, in one transfer; every step is still written to metrics.jsonl "
+                                "(0 = auto: every step on a CPU, where reading costs nothing; every 10 with CUDA)")
     prefetch: int = opt(4, "micro-batches prepared ahead on a background thread")
 
     def validate(self):
         for name in ("epochs", "micro_batch", "grad_accum", "ttt_steps", "draft_vocab", "num_layers", "prefetch"):
             v = getattr(self, name)
             check(v >= 1, f"train: --{name.replace('_', '-')} {v} must be >= 1", "give a whole number >= 1")
-        for name in ("max_steps", "max_tokens", "group_window", "checkpoint_every", "keep_checkpoints", "threads"):
+        for name in ("max_steps", "max_tokens", "group_window", "checkpoint_every", "keep_checkpoints", "threads",
+                     "metrics_every"):
             v = getattr(self, name)
             check(v >= 0, f"train: --{name.replace('_', '-')} {v} must be >= 0", "give 0 or a positive number")
         check(self.dtype not in ("fp16", "float16"), "train: --dtype fp16 is not a training dtype here",

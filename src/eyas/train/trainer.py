@@ -56,6 +56,20 @@ class StepStats:
     seconds: float
 
 
+@dataclasses.dataclass
+class PendingStep:
+    """An optimizer step whose figures are still on the device, until the interval's one read (Trainer.read_steps)."""
+
+    epoch: int
+    step: int  # its global optimizer step number
+    sums: torch.Tensor  # [3, k] float64, this rank's: loss sums, top-1 agreements, counted positions per TTT step
+    totals: torch.Tensor  # [k + 2] float64, global: counted positions per TTT step, samples, tokens
+    norm: torch.Tensor  # 0-d, global: the gradient norm before clipping
+    lr: float
+    busy_s: float  # the host's time in the step (its queueing, on a GPU: the rest shows in the read's wait)
+    done: float  # perf_counter at the step's end
+
+
 class Trainer:
     """One training run: set up from the config (or a checkpoint), then `fit()`.
 
@@ -71,9 +85,13 @@ class Trainer:
         self.audits: dict = audits_so_far(self.parts.out) if resumed else {}  # epoch -> sharding audit (audit.json)
         self.tag = ""  # "[DUPLICATE DATA] " on every line once an audit failed under --allow-duplicate-data
         self.t2d_host = self.parts.t2d.cpu()  # [V] the draft vocabulary on the host: counts without a device sync
+        self.step_weights = self.parts.weights.to(env.device)  # [k] each TTT step's weight in the loss
         self.bar = None  # the progress bar while the loop runs
-        self.last: StepStats | None = None  # the latest optimizer step's figures
+        self.last: StepStats | None = None  # the latest optimizer step's figures (as read back)
+        self.pending: list[PendingStep] = []  # steps not yet read back from the device (at most --metrics-every)
+        self.metrics_every = cfg.metrics_every or (10 if env.device.startswith("cuda") else 1)
         self.step_times: list[float] = []  # the first steps' seconds, for the measured rate
+        self.rate_reported = False
         self.tokens_run = 0  # tokens trained on by this process (a resumed run counts from its restart)
         self.loop_s = self.data_wait_s = 0.0  # the training loop's time, and the share spent waiting for data
         self.epoch_loop_s = self.epoch_wait_s = 0.0  # the same, for the current epoch
@@ -110,8 +128,12 @@ class Trainer:
             for index in range(start, len(shard.steps)):
                 t0 = time.perf_counter()
                 window = [next(it) for _ in shard.steps[index]]
-                stats = self.train_step(window)
-                self.record(epoch, index + 1, stats, bar)
+                self.pending.append(self.train_step(window, epoch))
+                self.progress.step += 1
+                self.progress.step_in_epoch = index + 1
+                bar.update(1)
+                if not self.step_times or len(self.pending) >= self.metrics_every:  # this process's first step is
+                    self.read_steps()  # read alone: it carries the warm-up (compilation) the measured rate leaves out
                 self.epoch_loop_s += time.perf_counter() - t0  # the loop's time, without checkpoints
                 last = index + 1 == len(shard.steps)
                 if self.progress.step >= self.parts.total_steps and not last:
@@ -119,6 +141,9 @@ class Trainer:
                     return False
                 if self.cfg.checkpoint_every and self.progress.step % self.cfg.checkpoint_every == 0 and not last:
                     self.save()
+            t0 = time.perf_counter()
+            self.read_steps()  # the epoch's last steps
+            self.epoch_loop_s += time.perf_counter() - t0
         finally:
             batches.close()
             self.epoch_wait_s = batches.wait_s
@@ -134,22 +159,23 @@ class Trainer:
                 repeats = sum(len(u) for j, u in enumerate(micro) if (s, m, j) in shard.padded)
                 yield load_micro_batch(self.parts.train_src, micro, repeats, pin)
 
-    def train_step(self, window) -> StepStats:
+    def train_step(self, window, epoch: int) -> PendingStep:
         """One optimizer step over this rank's micro-batches `window`; the loss of TTT step i is normalised by
         the global count of its counted positions (all ranks, all micro-batches), so any world size computes the
-        same gradient for the same global batch."""
+        same gradient for the same global batch. Nothing is read back from the device: the step's figures stay
+        there until `read_steps`, so the device's queue stays full from one optimizer step to the next."""
         t0 = time.perf_counter()
         cfg, env, p, k = self.cfg, self.env, self.parts, self.cfg.ttt_steps
-        # The counted positions from the host's copy of the batch: the global counts are known before the first
-        # forward without waiting on the device. Then no value comes back until the step's end, where one
-        # transfer brings the loss sums and the gradient norm: the device queue stays full across micro-batches.
+        # The counted positions come from the host's copy of the batch, so they are known before the first forward;
+        # their global sums are reduced where the device can use them without the host reading them.
         valid = [valid_masks(b.input_ids, b.loss_mask, b.doc_ids, self.t2d_host, k) for b in window]  # [k,B,T]
-        local = torch.stack([v.sum((1, 2)) for v in valid]).sum(0).tolist()
-        totals = dist.all_reduce_sum(local + [sum(b.samples for b in window), sum(b.tokens for b in window)], env)
+        local = torch.cat((torch.stack([v.sum((1, 2)) for v in valid]).sum(0).double(),
+                           torch.tensor([sum(b.samples for b in window), sum(b.tokens for b in window)],
+                                        dtype=torch.float64)))
+        totals = dist.all_reduce_tensor(local.to(env.device, non_blocking=True), env)  # [k + 2], global
         batches = [self.noisy(self.to_device(b), j) for j, b in enumerate(window)]
         valid = [v.to(env.device, non_blocking=True) for v in valid]
-        counts = torch.tensor(totals[:k], dtype=torch.float32)
-        scale = (p.weights / counts.clamp(min=1) * env.world_size).to(env.device)  # [k]
+        scale = self.step_weights / totals[:k].float().clamp(min=1) * env.world_size  # [k]
         sums = torch.zeros(3, k, dtype=torch.float64, device=env.device)
         for j, (b, v) in enumerate(zip(batches, valid)):
             with no_sync(p.model, j == len(batches) - 1):
@@ -168,15 +194,35 @@ class Trainer:
             group["lr"] = lr
         p.optimizer.step()
         p.optimizer.zero_grad(set_to_none=True)
-        host = torch.cat((sums.flatten(), norm.reshape(1).double().to(env.device))).tolist()  # the one sync
-        red, grad_norm = dist.all_reduce_sum(host[:-1], env), host[-1]
-        loss_i = [red[i] / max(1.0, totals[i]) for i in range(k)]
-        acc_i = [red[k + i] / max(1.0, totals[i]) for i in range(k)]
-        if [round(c) for c in red[2 * k:]] != [round(c) for c in totals[:k]]:
-            raise RuntimeError(f"eyas internal error: counted positions {red[2 * k:]} != precomputed {totals[:k]}")
-        loss = float(sum(w * li for w, li in zip(p.weights.tolist(), loss_i)))
-        return StepStats(loss, loss_i, acc_i, [int(c) for c in totals[:k]], int(totals[k]), int(totals[k + 1]), lr,
-                         grad_norm, time.perf_counter() - t0)
+        done = time.perf_counter()
+        return PendingStep(epoch, self.progress.step + 1, sums, totals, norm, lr, done - t0, done)
+
+    def read_steps(self) -> None:
+        """Read the pending steps' figures back in one transfer (after one all-reduce for them all), then count and
+        write each step in order. The steps share the wait for the device evenly: their seconds add up to the
+        interval's time."""
+        pending, self.pending = self.pending, []
+        if not pending:
+            return
+        k, env = self.cfg.ttt_steps, self.env
+        t0 = time.perf_counter()
+        sums = dist.all_reduce_tensor(torch.stack([r.sums.flatten() for r in pending]), env)  # [n, 3k]
+        rows = torch.cat((sums, torch.stack([r.totals for r in pending]),
+                          torch.stack([r.norm.double().reshape(1).to(sums.device) for r in pending])), 1)
+        rows = rows.tolist()  # the one host read of the interval
+        now = time.perf_counter()
+        share = (now - t0) / len(pending)
+        for i, (r, row) in enumerate(zip(pending, rows)):
+            red, totals, grad_norm = row[:3 * k], row[3 * k:4 * k + 2], row[-1]
+            if [round(c) for c in red[2 * k:]] != [round(c) for c in totals[:k]]:
+                raise RuntimeError(f"eyas internal error: counted positions {red[2 * k:]} != precomputed "
+                                   f"{totals[:k]} at step {r.step}")
+            loss_i = [red[j] / max(1.0, totals[j]) for j in range(k)]
+            acc_i = [red[k + j] / max(1.0, totals[j]) for j in range(k)]
+            loss = float(sum(w * x for w, x in zip(self.parts.weights.tolist(), loss_i)))
+            stats = StepStats(loss, loss_i, acc_i, [int(c) for c in totals[:k]], int(totals[k]),
+                              int(totals[k + 1]), r.lr, grad_norm, r.busy_s + share)
+            self.record(r, stats, r.done + (i + 1) * share - now)
 
     def to_device(self, batch):
         """To the device (features in the compute dtype); online: the target computes the features here."""
@@ -199,36 +245,36 @@ class Trainer:
     def clip(self) -> torch.Tensor:
         """The gradient norm before clipping, a 0-d tensor on the device (read with the step's sums)."""
         if not self.cfg.grad_clip:
-            return torch.zeros(())
+            return torch.zeros((), device=self.env.device)
         norm = torch.nn.utils.clip_grad_norm_(self.parts.params, self.cfg.grad_clip)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     # -- logging -----------------------------------------------------------------------------------------------------
-    def record(self, epoch: int, step_in_epoch: int, s: StepStats, bar) -> None:
-        """Count the step, write its metrics line (rank 0), advance the bar; time the first steps for the ETA;
-        re-check the free cores now and then (eyas.core.threads)."""
+    def record(self, r: PendingStep, s: StepStats, ago: float) -> None:
+        """Count a step read back, write its metrics line (rank 0) `ago` seconds (<= 0) after it ended; time the
+        first steps for the ETA; re-check the free cores now and then (eyas.core.threads)."""
         g = self.progress
-        g.step += 1
         if changed := self.parts.cpu.recheck():
             self.say(changed)
-        g.step_in_epoch = step_in_epoch
         g.samples_seen += s.samples
         g.tokens_seen += s.tokens
         g.epoch_samples += s.samples
         self.tokens_run += s.tokens
         self.last = s
-        rec = {"step": g.step, "epoch": epoch, "lr": s.lr, "loss": round(s.loss, 6),
+        rec = {"step": r.step, "epoch": r.epoch, "lr": s.lr, "loss": round(s.loss, 6),
                "loss_i": [round(x, 6) for x in s.loss_i], "acc_i": [round(x, 6) for x in s.acc_i],
                "tokens_per_s": round(s.tokens / max(s.seconds, 1e-9), 1), "samples_seen_global": g.samples_seen,
-               "elapsed_s": round(self.elapsed(), 3), "time": round(time.time(), 3), "grad_norm": round(s.grad_norm, 6)}
+               "elapsed_s": round(self.elapsed() + ago, 3), "time": round(time.time() + ago, 3),
+               "grad_norm": round(s.grad_norm, 6)}
         if self.tag:
             rec["duplicate_data"] = True
         self.parts.metrics.write(rec)
-        bar.set_postfix(loss=f"{s.loss:.3f}", acc0=f"{s.acc_i[0]:.3f}", refresh=False)
-        bar.update(1)
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{s.loss:.3f}", acc0=f"{s.acc_i[0]:.3f}", refresh=False)
         self.step_times.append(s.seconds)
-        if len(self.step_times) == 6:  # the first step warms up: rate from the next five
-            self.report_rate(sum(self.step_times[1:]) / 5)
+        if len(self.step_times) >= 6 and not self.rate_reported:  # the first step warms up: rate from the next
+            self.rate_reported = True
+            self.report_rate(sum(self.step_times[1:]) / (len(self.step_times) - 1))
 
     def report_rate(self, seconds_per_step: float) -> None:
         rate = 1.0 / max(seconds_per_step, 1e-9)
@@ -319,6 +365,7 @@ class Trainer:
 
     def save(self) -> None:
         """A checkpoint at the current data position: weights, optimizer, RNG states, progress."""
+        self.read_steps()  # the progress it saves counts every step's samples
         p, g = self.parts, self.progress
         optim = full_optimizer_state(p.model, p.optimizer)  # collective under FSDP
         draft = self.full_draft()
