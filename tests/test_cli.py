@@ -196,3 +196,19 @@ def test_a_torchrun_rank_that_succeeded_exits_without_interpreter_finalization(w
     assert out.returncode == code
     assert out.stdout == "summary"
     assert ("finalized" in out.stderr) == finalized
+
+
+def test_a_list_option_with_choices_takes_each_element_from_them():
+    """`choices` on a tuple option holds for each element (bench_doctor's `--formats torchrun specforge`)."""
+    import dataclasses as dc
+
+    from eyas.core.config import from_mapping, opt, parse
+
+    @dc.dataclass(frozen=True)
+    class Listed:
+        formats: tuple[str, ...] = opt(("a", "b"), "formats", choices=("a", "b", "c"))
+
+    assert parse(Listed, ["--formats", "c", "a"]).formats == ("c", "a")
+    assert from_mapping(Listed, {"formats": ["b"]}).formats == ("b",)
+    with pytest.raises(EyasError, match="'d' not one of a, b, c"):
+        from_mapping(Listed, {"formats": ["a", "d"]})

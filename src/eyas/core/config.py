@@ -172,12 +172,18 @@ _KIND = {bool: ("true or false", "true"), int: ("a whole number", "8"), float: (
 def _typed(value: Any, tp: Any, choices: tuple | None, where: str, key: str) -> Any:
     """`value` as the field's type (an int is a float's value too), or an EyasError naming the key, where it was
     given, what it must be and an example: "four" for an int, 256.7 for an int, 1 for a bool are refused."""
+    origin = typing.get_origin(tp)
+    if choices is not None and origin in (tuple, list) and isinstance(value, (tuple, list)):
+        bad = [x for x in value if x not in choices]  # a list option: each element is one of the choices
+        if bad:
+            raise EyasError(f"{where}: {', '.join(map(repr, bad))} not one of {', '.join(map(str, choices))}",
+                            fix=f"write {key} = {json.dumps(list(choices[:1]))}")
+        return tuple(value)
     if choices is not None:
         if value not in choices:
             raise EyasError(f"{where}: not one of {', '.join(map(str, choices))}",
                             fix=f"write {key} = {json.dumps(choices[0])}")
         return value
-    origin = typing.get_origin(tp)
     if origin in (tuple, list):
         if not isinstance(value, (tuple, list)):
             raise EyasError(f"{where}: a list is expected", fix=f"write {key} = [...]")

@@ -82,7 +82,7 @@ def analyse(parser: LogParser, cfg: DoctorConfig, name: str, extra: list[Fact], 
     rate, span, rate_how = measure_rate(done)
     n_done = done[-1][0]
     t_lr, lr_how = schedule_length(done)
-    ended = why_ended(facts, done, t_lr, lr_how, fig["plan_steps"][0][1] if fig["plan_steps"][0] else None)
+    ended = why_ended(facts, done, t_lr, lr_how, _run_total(fig))
     finished = bool(ended) and not ended.startswith("it crashed")
     verdict = decide(fig, facts, n_done if finished else None, done)
     prog = progress(fig, verdict, n_done, rate if not ended else None, finished)  # no ETA for a run that is over
@@ -109,6 +109,14 @@ def analyse(parser: LogParser, cfg: DoctorConfig, name: str, extra: list[Fact], 
                lr_schedule_steps=t_lr, lr_schedule_evidence=lr_how, ended=ended, finished=finished, liveness=live,
                **verdict, **prog)
     return rep
+
+
+def _run_total(fig: dict) -> tuple[int, str] | None:
+    """The steps a rank runs in all: eyas's plan, else the epochs times the steps per epoch the log shows."""
+    if fig["plan_steps"][0]:
+        return fig["plan_steps"][0][1], "planned"
+    (e, _), (p, _) = fig["epochs"], fig["steps_per_epoch_seen"]
+    return (e * p, f"{e} epochs x {fmt_int(p)} per rank") if e and p else None
 
 
 def _no_steps(rep: dict, facts: list[Fact], parser: LogParser, cfg: DoctorConfig) -> dict:

@@ -73,13 +73,17 @@ def _world(facts: list[Fact], cfg: DoctorConfig, writers: int, ranks: set[int]) 
     given = _given_world(cfg, writers, ranks)
     if given:
         return given
-    audit, batching, stated = latest(facts, "audit"), latest(facts, "plan_batching"), latest(facts, "world_size")
+    audit, batching = latest(facts, "audit"), latest(facts, "plan_batching")
+    stated = latest(facts, "dp_size") or latest(facts, "world_size")  # the data-parallel ranks first
     if audit and isinstance(audit.value.get("world_size"), int):
         return audit.value["world_size"], cite(audit)
     if batching:
         return batching.value[0], cite(batching)
     if stated:
         return stated.value, cite(stated)
+    derived = _world_from_global_batch(facts)
+    if derived:
+        return derived
     if ranks and max(ranks) + 1 >= writers:
         return max(ranks) + 1, f"torchrun prefixes name ranks up to [rank{max(ranks)}]"
     if writers > 1:
@@ -90,6 +94,19 @@ def _world(facts: list[Fact], cfg: DoctorConfig, writers: int, ranks: set[int]) 
     if latest(facts, "torchrun"):
         return None, f"torchrun started several processes ({cite(latest(facts, 'torchrun'))}), how many is not stated"
     return 1, "assumed: no rank prefixes, repeated steps, per-process warnings or torchrun banner"
+
+
+def _world_from_global_batch(facts: list[Fact]) -> tuple[int, str] | None:
+    """World size = the stated global batch / (per-device batch x accumulation), when it divides exactly."""
+    gb, mb, ga = latest(facts, "global_batch"), latest(facts, "micro_batch"), latest(facts, "grad_accum")
+    if not (gb and mb):
+        return None
+    per_rank = mb.value * (ga.value if ga else 1)
+    if gb.value % per_rank:
+        return None
+    accum = f" x {ga.value} accumulation ({cite(ga)})" if ga else ""
+    return gb.value // per_rank, (f"global batch {gb.value} ({cite(gb)}) / ({mb.value} per device ({cite(mb)})"
+                                  f"{accum})")
 
 
 def _given_world(cfg: DoctorConfig, writers: int, ranks: set[int]) -> tuple[int, str] | None:

@@ -13,7 +13,15 @@ Formats (what each line looks like):
   ending with `epoch=0, lr=9.23e-04, global_step=1`
 - SpecForge (every rank writes): `step 12: {'loss': 2.1, 'lr': 9.9e-05, 'perf/optimizer_step_time_s': 0.03, ...}`;
   two ranks' records may share one line
-- torchrun: `[rank3]: ...` (or `[default3]: ...`) prefixes name the writing rank; glog lines `W1129 16:41:34.71 ...`
+- Hugging Face Trainer (TRL, Axolotl, LLaMA-Factory): `{'loss': '4.87', 'learning_rate': '0.001', 'epoch': '0.04'}`,
+  numbered by the tqdm bar redrawn after it; its `***** Running training *****` header states the figures
+- Lightning's and torchtune's bars (`Epoch 0:  4%|..| 1/26 [...]`, rich `Epoch 1/1 ━━ 26/26 0:00:01 •`,
+  `1|7|Loss: 4.9: 27%|..| 7/26`); torchtune's `Step 7 | loss:4.9 lr:0.001` is a generic line
+- DeepSpeed: `[Rank 0] step=12, skipped=0, lr=[0.001], ...`, and its config dump `world_size ....... 2`
+- Megatron-LM / NeMo: ` iteration  12/  52 | consumed samples: 48 | elapsed time per iteration (ms): 250.0 | ...`,
+  and its arguments block `data_parallel_size ....... 2`
+- torchrun: `[rank3]: ...` (or `[default3]: ...`) prefixes name the writing rank, also where one starts in the middle
+  of another process's line; glog lines `W1129 16:41:34.71 ...`
 - generic: a line with a step (`step 12`, `global_step=12`, `iter 12/500`) or epoch counter and an lr.
 
 Parsers are linear in the line length: lines are capped at MAX_LINE characters, no regex has nested
@@ -37,6 +45,8 @@ from eyas.doctor.patterns import (
     BAR,
     BAR_ELAPSED,
     CRASH,
+    DOTTED,
+    DS_STEP,
     DUPLICATE_DATA,
     EPOCH_DONE,
     EYAS_DATA,
@@ -46,11 +56,17 @@ from eyas.doctor.patterns import (
     GEN_LOSS,
     GEN_LR,
     GEN_STEP,
+    HF_KV,
+    HF_RECORD,
     KV_EQ,
+    MEGATRON_KV,
+    MEGATRON_STEP,
     NCCL_RANK,
     PY_WARNING,
+    RANK_ANYWHERE,
     RANK_PREFIX,
     RICH_CONT,
+    RICH_EPOCH_BAR,
     RICH_HEAD,
     RICH_SOURCE,
     ROOT_CAUSE,
@@ -62,12 +78,19 @@ from eyas.doctor.patterns import (
     TB_ERROR,
     TB_FRAME,
     TORCHRUN,
+    TORCHTUNE_DESC,
     TRACEBACK,
     VALIDATION,
     WATCHDOG,
 )
 from eyas.doctor.records import Fact, Step, StepSample
 
+# settings dumps (DeepSpeed's config, Megatron's arguments) -> facts; data_parallel_size is the ranks that share
+# the data (Megatron's world_size also counts tensor- and pipeline-parallel ranks)
+DOTTED_FACTS = {"world_size": "world_size", "data_parallel_size": "dp_size", "train_batch_size": "global_batch",
+                "global_batch_size": "global_batch", "train_micro_batch_size_per_gpu": "micro_batch",
+                "micro_batch_size": "micro_batch", "gradient_accumulation_steps": "grad_accum",
+                "train_iters": "total_steps", "num_train_epochs": "epochs", "train_samples": "run_samples"}
 MAX_LINE = 65536  # characters kept of one line; the rest is ignored (and counted)
 
 
@@ -80,6 +103,20 @@ def _search(rx: re.Pattern, text: str, low: str, word: str, other: str = "") -> 
         if j >= 0 and (at < 0 or j < at):
             at = j
     return rx.search(text, at - 8 if at > 8 else 0) if at >= 0 else None
+
+
+def _inner_prefix(text: str) -> int:
+    """Where a `]:` that may close a rank prefix stands after the line's own prefix (-1: none, the common case)."""
+    at = text.find("]:", 1)
+    if 0 <= at < 16 and text.startswith(("[rank", "[default")):
+        at = text.find("]:", at + 2)
+    return at
+
+
+def _rank_parts(segment: str) -> list[str]:
+    """The segment cut before each `[rankK]:` prefix that does not begin it (two processes writing one terminal)."""
+    cuts = [m.start() for m in RANK_ANYWHERE.finditer(segment, 1)] if _inner_prefix(segment) >= 0 else []
+    return [segment[a:b] for a, b in zip([0, *cuts], [*cuts, len(segment)])]
 
 
 def _int(s: str) -> int:
@@ -126,6 +163,8 @@ class LogParser:
         self._generic: tuple[str | None, tuple | None] = (None, None)  # the last generic record read, and its values
         self._epochs_stated: int | None = None  # the last `epoch i/E` total recorded as a fact
         self._root_cause = False
+        self._hf: Step | None = None  # the HF Trainer record waiting for the bar drawn after it (its step)
+        self._hf_last: int | None = None  # the step of the last HF Trainer record
 
     @property
     def steps(self) -> list[Step]:
@@ -153,18 +192,20 @@ class LogParser:
             text, self.truncated = text[:MAX_LINE], self.truncated + 1
         if "\x1b" in text:
             text = ANSI.sub("", text)
-        if "\r" not in text:
+        if "\r" not in text and _inner_prefix(text) < 0:
             text = text.rstrip()
             if text:
                 self._segment(lineno, text)
             return
         for segment in text.split("\r"):  # progress bars redraw with carriage returns inside one line
-            if segment.strip():
-                self._segment(lineno, segment.rstrip())
+            for part in _rank_parts(segment):  # and another rank's line may start where a bar stopped
+                if part.strip():
+                    self._segment(lineno, part.rstrip())
 
     def finish(self) -> None:
         """Flush a record still being assembled (call at the end of the file)."""
         self._flush_rich()
+        self._flush_hf()
 
     # -- one segment ------------------------------------------------------------------------------------------
     def _segment(self, lineno: int, seg: str) -> None:
@@ -190,7 +231,9 @@ class LogParser:
             self._rich, self._rich_rank = [(lineno, RICH_SOURCE.sub("", head.group(1)))], rank
             self._rich_time = self.clock.last
             return
-        if self._json_step(lineno, seg, rank) or self._specforge(lineno, seg, rank, own_time):
+        if (self._json_step(lineno, seg, rank) or self._specforge(lineno, seg, rank, own_time)
+                    or self._hf_trainer(lineno, seg, rank, own_time) or self._deepspeed(lineno, seg, rank, own_time)
+                or self._megatron(lineno, seg, rank, own_time)):
             return
         if not self._eyas_console(lineno, seg) and not self._generic_step(lineno, seg, rank, own_time):
             self._facts(lineno, seg, rank)
@@ -260,6 +303,81 @@ class LogParser:
                            time=own_time, duration=_float(kv.get("perf/optimizer_step_time_s")),
                            key=hash(seg[m.start():end].strip())))
         return bool(matches)
+
+    # -- Hugging Face Trainer (and TRL, Axolotl, LLaMA-Factory) ----------------------------------------------------
+    def _hf_trainer(self, lineno: int, seg: str, rank: int | None, own_time: float | None) -> bool:
+        """`{'loss': 4.87, 'grad_norm': 1.1, 'learning_rate': 0.001, 'epoch': 0.04}` (values quoted from transformers
+        5 on): a logged step, numbered by the training bar's position when it was written (the dict has no step);
+        `{'eval_loss': ...}` is a validation pass, `{'train_runtime': ...}` the end of training."""
+        m = HF_RECORD.match(seg)
+        if not m:
+            return False
+        kv = dict(HF_KV.findall(seg))
+        kind = m.group(1)
+        self._flush_hf()
+        if kind == "train_runtime":
+            self._format("Hugging Face Trainer", lineno)
+            self._fact(lineno, "end", True, seg)
+        elif kind.startswith("eval_"):
+            self._fact(lineno, "validation", True, seg)
+        else:
+            self._hf = Step(lineno, "Hugging Face Trainer", rank=rank, epoch=_float(kv.get("epoch")),
+                            lr=_float(kv.get("learning_rate")), loss=_float(kv.get("loss")), time=own_time,
+                            key=hash(seg.strip()))
+        return True
+
+    def _flush_hf(self, bar: int | None = None) -> None:
+        """Number the pending HF record and add it. The Trainer prints a record through tqdm's `write`, which
+        redraws the bar at once with the step just logged: that bar's position is the record's step. A record
+        with no bar after it (bars off) counts as the step after the previous one, or has no number if none has."""
+        step, self._hf = self._hf, None
+        if step is None:
+            return
+        if bar is not None:
+            step.step = bar
+        elif self._hf_last is not None:
+            step.step = self._hf_last + 1
+        self._hf_last = step.step
+        self._add(step)
+
+    # -- DeepSpeed and Megatron-LM / NeMo ------------------------------------------------------------------------
+    def _deepspeed(self, lineno: int, seg: str, rank: int | None, own_time: float | None) -> bool:
+        """`[Rank 0] step=12, skipped=0, lr=[0.001], ...` every `steps_per_print` steps (the engine's `step=0` line
+        at start-up is no step). Its timer line's `epoch=0/micro_step=..` is not read: that epoch never advances."""
+        if "] step=" not in seg:
+            return False
+        m = DS_STEP.search(seg)
+        if not m:
+            return False
+        self._format("DeepSpeed", lineno)
+        if int(m.group(2)) > 0:
+            self._add(Step(lineno, "DeepSpeed", step=int(m.group(2)), rank=rank if rank is not None else None,
+                           lr=_float(m.group(4)), time=own_time, key=hash(seg[m.start():].strip())))
+        return True
+
+    def _megatron(self, lineno: int, seg: str, rank: int | None, own_time: float | None) -> bool:
+        """` iteration  100/ 1000 | consumed samples: 12800 | elapsed time per iteration (ms): 123.4 | learning
+        rate: 1.0E-04 | global batch size: 128 | lm loss: 2.3E+00 | ...`: the step, its stated total, the global
+        samples consumed and the step's own duration."""
+        if "iteration" not in seg or " |" not in seg:
+            return False
+        m = MEGATRON_STEP.search(seg)
+        if not m:
+            return False
+        kv = {k.strip().lower(): v for k, v in MEGATRON_KV.findall(seg, m.end() - 2)}
+        consumed = kv.get("consumed samples")
+        ms = _float(kv.get("elapsed time per iteration (ms)"))
+        loss = next((v for k, v in kv.items() if k.endswith("loss") and "scale" not in k), None)
+        self._add(Step(lineno, "Megatron-LM", step=int(m.group(1)), of=int(m.group(2)), rank=rank,
+                       lr=_float(kv.get("learning rate")), loss=_float(loss), time=own_time,
+                       duration=ms / 1000 if ms is not None else None,
+                       samples_seen=int(float(consumed)) if consumed and float(consumed) > 0 else None,
+                       key=hash(seg[m.start():].strip())))
+        if kv.get("global batch size") and _float(kv["global batch size"]):
+            gb = int(float(kv["global batch size"]))
+            if not self.facts or self.facts[-1].name != "global_batch" or self.facts[-1].value != gb:
+                self._fact(lineno, "global_batch", gb, seg)
+        return True
 
     # -- speculators (rich console records over several lines) ----------------------------------------------
     def _flush_rich(self) -> None:
@@ -346,15 +464,14 @@ class LogParser:
     # -- stated figures and markers -----------------------------------------------------------------------------
     def _facts(self, lineno: int, seg: str, rank: int | None = None) -> None:
         self._crash(lineno, seg, rank)
+        dotted = DOTTED.search(seg) if " .." in seg or "_per_gpu  " in seg else None
+        if dotted and dotted.group(1) in DOTTED_FACTS:
+            self._fact(lineno, DOTTED_FACTS[dotted.group(1)], _int(dotted.group(2)), seg)
+            return
         for name, rx in STATED:
             for m in rx.finditer(seg):
-                self._fact(lineno, name, _int(m.group(1)), seg)
-        bar = BAR.search(seg)
-        if bar:
-            desc = seg[:bar.start()].strip()[-80:]
-            t = BAR_ELAPSED.match(seg, bar.end())
-            elapsed = int(t.group(1) or 0) * 3600 + int(t.group(2)) * 60 + int(t.group(3)) if t else None
-            self._fact(lineno, "bar", (int(bar.group(2)), int(bar.group(3)), desc, elapsed), seg)
+                self._fact(lineno, name, _int(next(g for g in m.groups() if g)), seg)
+        self._bar(lineno, seg, rank)
         m = EPOCH_DONE.search(seg)
         if m and 1 <= int(m.group(1)) <= int(m.group(2)):
             self._fact(lineno, "epoch_done", (int(m.group(1)), int(m.group(2))), seg)
@@ -366,6 +483,34 @@ class LogParser:
                 self._fact(lineno, name, True, seg)
         if PY_WARNING.match(seg):
             self._fact(lineno, "warning", seg.strip()[:300], seg)
+
+    def _bar(self, lineno: int, seg: str, rank: int | None) -> None:
+        """A progress bar's redraw -> a `bar` fact (position, total, description, elapsed seconds): tqdm's
+        `desc: 12%|##  | 3/26 [00:01<00:07, ...]`, Lightning's rich `Epoch 1/1 ━━━ 26/26 0:00:01 • ...` (0-based
+        epoch index / last index: an `epochs` fact too), torchtune's `1|7|Loss: 4.9: 27%|...` (epoch|step)."""
+        rich = RICH_EPOCH_BAR.match(seg)
+        if rich:
+            last = int(rich.group(2)) + 1
+            if last != self._epochs_stated:
+                self._epochs_stated = last
+                self._fact(lineno, "epochs", last, seg)
+            n, total, desc = int(rich.group(3)), int(rich.group(4)), f"Epoch {rich.group(1)}/{rich.group(2)}"
+            h, m_, sec = rich.group(5, 6, 7)
+            elapsed = int(h or 0) * 3600 + int(m_) * 60 + int(sec)
+        else:
+            bar = BAR.search(seg)
+            if not bar:
+                return
+            desc = seg[:bar.start()].strip()[-80:]
+            if TORCHTUNE_DESC.match(desc):
+                desc = "epoch " + desc  # its first figure is the epoch (1-based)
+            t = BAR_ELAPSED.match(seg, bar.end())
+            elapsed = int(t.group(1) or 0) * 3600 + int(t.group(2)) * 60 + int(t.group(3)) if t else None
+            n, total = int(bar.group(2)), int(bar.group(3))
+        self._fact(lineno, "bar", (n, total, desc, elapsed), seg)
+        if self._hf is not None and self._hf.rank == rank:
+            self._hf.time = elapsed if self._hf.time is None else self._hf.time
+            self._flush_hf(n)
 
     def _crash(self, lineno: int, seg: str, rank: int | None) -> None:
         """Tracebacks (per rank: the exception, its message, its innermost frame), NCCL timeouts, the root cause."""

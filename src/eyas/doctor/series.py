@@ -15,6 +15,7 @@ import statistics
 from collections import Counter
 
 from eyas.core.log import fmt_int
+from eyas.doctor.patterns import RICH_EPOCH_DESC
 from eyas.doctor.records import Fact, Step
 
 
@@ -100,6 +101,9 @@ def bar_steps(facts: list[Fact]) -> list[Step]:
             continue
         if prev and desc != prev[2] and n <= prev[0] < prev[1] + 1 and prev[0] == prev[1]:
             steps0, time0 = steps0 + prev[1], time0 + (prev[3] or 0)  # the previous epoch's bar was complete
+        indexed = RICH_EPOCH_DESC.match(desc)  # Lightning's rich bar names its epoch (0-based): those before it ran
+        if indexed and steps0 < int(indexed.group(1)) * total:  # whole, though a log not on a terminal shows only
+            steps0 = int(indexed.group(1)) * total  # the last
         v = steps0 + n
         if not out or v > out[-1].step:
             out.append(Step(f.line, "progress bar (tqdm/rich)", step=v, of=steps0 + total,
@@ -112,7 +116,8 @@ def bar_steps(facts: list[Fact]) -> list[Step]:
 def measure_rate(done: list[tuple[int, Step]]) -> tuple[float | None, float | None, str]:
     """(optimizer steps per second per rank, seconds covered, how) over the final segment."""
     pts = done[1:] if len(done) >= 3 else done  # the first step carries start-up and compilation
-    clock = {"eyas metrics.jsonl": "elapsed_s", "progress bar (tqdm/rich)": "the bar's elapsed time"}
+    clock = {"eyas metrics.jsonl": "elapsed_s", "progress bar (tqdm/rich)": "the bar's elapsed time",
+             "Hugging Face Trainer": "the training bar's elapsed time"}
     sources = (("time", clock.get(done[-1][1].fmt, "log timestamps")), ("arrival", "arrival times of the lines"))
     for attr, how in sources:
         tp = [(v, s.line, t) for v, s in pts if (t := getattr(s, attr)) is not None and math.isfinite(t)]

@@ -250,7 +250,7 @@ def progress(fig: dict, verdict: dict, done: int, rate: float | None, ended: boo
     return out
 
 
-def why_ended(facts: list[Fact], done: list, t_lr: int | None, lr_how: str, plan_total: int | None) -> str:
+def why_ended(facts: list[Fact], done: list, t_lr: int | None, lr_how: str, total: tuple[int, str] | None) -> str:
     """Why the run is over ('' if it may still be running): only what comes after its last step counts."""
     n, last = done[-1][0], done[-1][1].line
     for f in reversed(facts):
@@ -262,8 +262,9 @@ def why_ended(facts: list[Fact], done: list, t_lr: int | None, lr_how: str, plan
             return f"the log says so ({cite(f)})"
     if t_lr and abs(t_lr - n) <= 1 and lr_how.startswith("lr reached 0"):
         return f"{lr_how}, its last step"
-    if plan_total and n >= plan_total:
-        return f"all {fmt_int(plan_total)} planned steps ran"
+    if total and n >= total[0]:
+        return f"all {fmt_int(total[0])} steps ran ({total[1]})" if total[1] != "planned" else \
+            f"all {fmt_int(total[0])} planned steps ran"
     return ""
 
 
