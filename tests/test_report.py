@@ -123,6 +123,10 @@ def train(run: Path, r: str) -> None:
     val = [{"epoch": e, "samples": 62, "loss_i": [2.5 - 0.2 * e, 2.9 - 0.2 * e, 3.1 - 0.2 * e],
             "acc_i": [0.41 + 0.05 * e, 0.33 + 0.05 * e, 0.27 + 0.05 * e], "loss": 7.0 - e, "step": 8 * (e + 1)}
            for e in range(3)]
+    for v in val:  # what the trainer adds: 1 + a0 + a0 a1 + a0 a1 a2 for chains of 1, 2, 3
+        a = v["acc_i"]
+        v["expected_tau_by_chain"] = [1 + a[0], 1 + a[0] + a[0] * a[1], 1 + a[0] + a[0] * a[1] + a[0] * a[1] * a[2]]
+        v["expected_tau"] = v["expected_tau_by_chain"][-1]
     (t / "validation.jsonl").write_text("".join(json.dumps(x) + "\n" for x in val))
     _w(t / "plan.json", PLAN)
     _w(t / "audit.json", {**_audit(2), "epochs": {str(e): _audit(e) for e in range(3)}})
@@ -368,6 +372,11 @@ def test_key_figures_by_hand(demo):
     assert "eagle3 chain k=5 2.51 29.8 1.61× 1.74× 93% yes" in text["evaluation"]  # 18.5 * 1.611 tok/s
     assert "no speculation: transformers generate – 18.5 1× (the baseline)" in text["evaluation"]
     assert "writing 2.54 2.71 1.32" in text["evaluation"]  # per category: tau + 0.1 * 2
+    # the last validation (acc 0.51, 0.43, 0.37) expects 1 + 0.51 + 0.51 x 0.43 + 0.51 x 0.43 x 0.37 = 1.8104 for a
+    # chain of 3, beside the 2.345 measured (0.772x); the chain of 5 is longer than the 3 TTT steps trained: no row
+    assert f"eagle3 chain k=3 1.81 {2.345:.2f} 0.77×" in text["evaluation"]
+    assert "eagle3 chain k=5 2.51 2.51" not in text["evaluation"]
+    assert "expected acceptance length (last validation, chain of 3) 1.81" in text["training"]
     assert "eagle3 runs" in text["export"] or "eagle3 " in text["export"]
     assert "12.4 MiB" in text["export"]  # 13,017,216 B
 
@@ -440,7 +449,7 @@ def test_page_is_self_contained_with_drawn_plots(demo):
     run_dir, summary, page = demo
     assert summary["not_run"] == [] and check_numbers(page, run_dir) > 150  # settings by absolute path
     html = Path(summary["path"]).read_text(encoding="utf-8")
-    assert page.svgs == 11 and page.paths > 100
+    assert page.svgs == 12 and page.paths > 100  # the expected acceptance length per validation pass: the 12th
     assert len(page.ids) == len(set(page.ids))  # every figure's SVG ids are prefixed: no clash in one document
     assert not re.search(r"<(script|link|img|iframe)\b", html)
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", html)  # nothing fetched from the network

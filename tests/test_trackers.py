@@ -77,7 +77,8 @@ def test_every_tracker_gets_the_metrics_files_scalars(store, tmp_path, offline):
              "train/acc_0": m["acc_i"][0], "train/acc_1": m["acc_i"][1]})
     for v in val:
         want.setdefault(v["step"], {}).update({"val/loss": v["loss"], "val/acc_0": v["acc_i"][0],
-                                               "val/acc_1": v["acc_i"][1]})
+                                               "val/acc_1": v["acc_i"][1],
+                                               "val/expected_tau": 1 + v["acc_i"][0] + v["acc_i"][0] * v["acc_i"][1]})
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

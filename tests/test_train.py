@@ -267,6 +267,11 @@ def test_validation_pass_and_max_steps(store, tmp_path):
                         micro_batch=3, **SMALL))
     lines = [json.loads(x) for x in (tmp_path / "val" / "validation.jsonl").read_text().splitlines()]
     assert [v["epoch"] for v in lines] == [0, 1] and all(v["samples"] == 8 for v in lines)
+    for v in lines:  # the chain's expected acceptance length: 1 + a0 + a0 a1 + a0 a1 a2 (3 TTT steps)
+        a = v["acc_i"]
+        chains = [1 + a[0], 1 + a[0] + a[0] * a[1], 1 + a[0] + a[0] * a[1] + a[0] * a[1] * a[2]]
+        np.testing.assert_allclose(v["expected_tau_by_chain"], chains, rtol=1e-12)
+        assert v["expected_tau"] == v["expected_tau_by_chain"][-1]
     assert s["steps"] == 2 * 8  # 24 training samples / 3 per step
     s2 = run(TrainConfig(quiet=True, store=str(store), out=str(tmp_path / "short"), max_steps=3, **SMALL))
     assert s2["steps"] == 3 and len(metrics(tmp_path / "short")) == 3

@@ -284,3 +284,20 @@ def test_memory_is_linear_in_t_and_flat_in_vocabulary_x_length(monkeypatch):
     small, large = largest_in_ttt(512, Vd=64), largest_in_ttt(1024, Vd=64)
     assert large <= 2.2 * small, (small, large)
     assert largest_in_ttt(512) == largest_in_ttt(1024) == 128 * 4000
+
+
+def test_expected_acceptance_length_is_the_mean_accepted_run_of_independent_positions():
+    """1 + sum_k prod_{j<k} acc_j is the mean of (1 + the leading run of accepted positions) when position j is
+    accepted with probability acc_j independently: checked against 200,000 simulated chains."""
+    import numpy as np
+
+    from eyas.train.heldout import expected_acceptance_length
+
+    acc = [0.8, 0.6, 0.5, 0.3]
+    rng = np.random.default_rng(0)
+    accepted = rng.random((200_000, len(acc))) < np.array(acc)
+    run = np.cumprod(accepted, axis=1).sum(axis=1)  # leading accepted positions
+    assert expected_acceptance_length(acc) == pytest.approx(1 + run.mean(), abs=0.01)
+    assert expected_acceptance_length(acc) == pytest.approx(1 + 0.8 + 0.48 + 0.24 + 0.072)
+    assert expected_acceptance_length(acc, chain=2) == pytest.approx(1 + 0.8 + 0.48)
+    assert expected_acceptance_length([1.0, 1.0, 1.0]) == 4.0 and expected_acceptance_length([0.0, 1.0]) == 1.0

@@ -50,6 +50,32 @@ def _divergences(res: Doc) -> str:
     return "".join(out)
 
 
+def _calibration(res: Doc, d: Loaded) -> str:
+    """The expected acceptance length training's last validation pass predicted for each chain (eyas.train.heldout.
+    expected_acceptance_length), beside the tau evaluate measured on the rounds that drafted: how far to trust the
+    estimate while training."""
+    val = [v for _, v in d.validation.rows() if v.get("expected_tau_by_chain")]
+    if not val:
+        return ""
+    by_chain = val[-1]["expected_tau_by_chain"]
+    rows = []
+    for c in res.get("configs") or []:
+        k, measured = c.get("k"), c.get("tau_drafted", c.get("tau"))
+        if c.get("drafter") != "eagle3" or c.get("mode") != "chain" or not isinstance(k, int) or not measured:
+            continue
+        if 1 <= k <= len(by_chain):
+            est = by_chain[k - 1]
+            rows.append([esc(c.get("name")), f"{est:.2f}", f"{measured:.2f}", f"{est / measured:.2f}×"])
+    if not rows:
+        return ""
+    return ("<h3>Expected acceptance length from validation</h3>" +
+            table(["configuration", f"expected {TAU} (validation)", f"measured {TAU} (drafted rounds)",
+                   "expected / measured"], rows, numeric=(1, 2, 3)) +
+            "<p class=\"note\">Expected: 1 + the sum over positions of the product of the validation pass's per-step "
+            "accuracies up to it (the last validation pass, on held-out samples); measured: this evaluation's tokens "
+            "per verification over the rounds that drafted, on its own prompts.</p>")
+
+
 def sec_evaluation(f: RunFiles, d: Loaded) -> tuple[str, bool]:
     res = d.results
     if not res:
@@ -78,7 +104,8 @@ def sec_evaluation(f: RunFiles, d: Loaded) -> tuple[str, bool]:
     per_cat = table(["category"] + [f"{TAU} · {esc(n)}" for n in names],
                     [[esc(k)] + [res.num("configs", j, "per_category", k, "tau", fmt=",.2f") for j in range(len(names))]
                      for k in cats], numeric=range(1, len(names) + 1))
-    return (intro + _configs_table(res) + _divergences(res) + charts + f"<h3>{TAU} per category</h3>" + per_cat
+    return (intro + _configs_table(res) + _divergences(res) + charts + _calibration(res, d)
+            + f"<h3>{TAU} per category</h3>" + per_cat
             + f"<p class=\"note\">{TAU} (acceptance length): tokens produced per target verification forward, the "
               "target's own bonus token included (EAGLE's definition). Acceptance rate at position i: among rounds "
               "whose draft reached position i with positions 1..i-1 accepted, the share accepted at i. Speedup: decode "

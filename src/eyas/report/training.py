@@ -200,6 +200,9 @@ def _training_charts(rows: list[tuple[int, dict]], val: list[tuple[int, dict]], 
                    val=(vx, per("loss_i", val)) if val else None),
         step_chart(steps, per("acc_i", rows), "Top-1 agreement with the target per TTT step", "acc_i",
                    ylim=(0, 1.02), val=(vx, per("acc_i", val)) if val else None),
+        line_chart([(f"chain of {k}", [v.get("step") for _, v in val], [v.get("expected_tau") for _, v in val])],
+                   "Expected acceptance length at each validation pass", "optimizer step (global)", "expected τ",
+                   markers=True) if any(v.get("expected_tau") for _, v in val) else "",
         line_chart([("learning rate", steps, [r.get("lr") for _, r in rows])], "Learning rate",
                    "optimizer step (global)", "lr"),
         line_chart([("tokens/s", steps, [r.get("tokens_per_s") for _, r in rows])], "Throughput per optimizer step",
@@ -217,6 +220,9 @@ def sec_training(f: RunFiles, d: Loaded) -> tuple[str, bool]:
              ("samples seen (global, repeats included)", m.num(j, "samples_seen_global")),
              ("final loss (weighted over TTT steps)", m.num(j, "loss", fmt=",.4f")),
              ("time in training steps", m.seconds(j, "elapsed_s"))]
+    if val and val[-1][1].get("expected_tau") is not None:
+        pairs.append((f"expected acceptance length (last validation, chain of {k})",
+                      d.validation.num(val[-1][0], "expected_tau", fmt=",.2f")))
     for _, mk in f.stages("train")[:1]:
         pairs += [("throughput (global, whole run)", mk.num("summary", "tokens_per_s", suffix=" tokens/s")),
                   ("waiting for data", mk.pct("summary", "data_wait_share"))]

@@ -74,6 +74,21 @@ def held_out_accuracy(draft: Eagle3Draft, store: str, target: str, ttt_steps: in
     return {"samples": len(src), **per_step(red, ttt_steps), "count_i": red[2 * ttt_steps:]}
 
 
+def expected_acceptance_length(acc_i: list[float], chain: int | None = None) -> float:
+    """The acceptance length tau a chain of `chain` draft tokens (default: every TTT step) is expected to reach,
+    from the per-position acceptance rates acc_i: 1 + sum over k of acc_0 x ... x acc_(k-1). The 1 is the token the
+    target adds at every verification; position k is reached only if positions 0..k-1 were accepted. acc_i is
+    measured with the draft reading its own earlier outputs (training-time test), as in decoding; taking their
+    product treats positions as independent, which `eyas evaluate`'s measured tau checks (the report sets the two
+    side by side)."""
+    steps = acc_i[:chain] if chain else acc_i
+    tau, reach = 1.0, 1.0
+    for a in steps:
+        reach *= min(max(float(a), 0.0), 1.0)
+        tau += reach
+    return tau
+
+
 def per_step(red: list[float], k: int) -> dict:
     """validation_sums' [loss sums..., correct..., counts...] as {"loss_i", "acc_i"}, means over counted positions."""
     n = [max(1.0, x) for x in red[2 * k:]]

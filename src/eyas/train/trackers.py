@@ -47,8 +47,10 @@ def train_scalars(rec: dict) -> dict[str, float]:
 
 
 def validation_scalars(rec: dict) -> dict[str, float]:
-    """The scalars of one validation.jsonl line: loss and each TTT step's accuracy."""
+    """The scalars of one validation.jsonl line: loss, each TTT step's accuracy, the expected acceptance length."""
     out = {"val/loss": float(rec["loss"])}
+    if rec.get("expected_tau") is not None:
+        out["val/expected_tau"] = float(rec["expected_tau"])
     out.update({f"val/acc_{i}": float(acc) for i, acc in enumerate(rec["acc_i"])})
     return out
 

@@ -30,7 +30,7 @@ from eyas.train.batches import (
     load_micro_batch,
     valid_masks,
 )
-from eyas.train.heldout import masked_batches, per_step, validation_sums
+from eyas.train.heldout import expected_acceptance_length, masked_batches, per_step, validation_sums
 from eyas.train.objective import STATIC_MIN_LENGTH, autocast, targets
 from eyas.train.optimizer import lr_at
 from eyas.train.parallelize import draft_of, full_model_state, full_optimizer_state, no_sync
@@ -323,8 +323,12 @@ class Trainer:
                               p.path)
         out = {"epoch": epoch, "samples": len(p.val_src), **per_step(red, k)}
         out["loss"] = float(sum(w * x for w, x in zip(p.weights.tolist(), out["loss_i"])))
+        out["expected_tau_by_chain"] = [expected_acceptance_length(out["acc_i"], c) for c in range(1, k + 1)]
+        out["expected_tau"] = out["expected_tau_by_chain"][-1]
         self.say(f"validation (epoch {epoch + 1}, {fmt_int(len(p.val_src))} samples, global): loss "
-                 f"{out['loss']:.4f}, acc_i " + " ".join(f"{a:.3f}" for a in out["acc_i"]))
+                 f"{out['loss']:.4f}, acc_i " + " ".join(f"{a:.3f}" for a in out["acc_i"]) +
+                 f"; expected acceptance length {out['expected_tau']:.2f} for a chain of {k}"
+                 + (f" ({out['expected_tau_by_chain'][2]:.2f} for 3)" if k > 3 else ""))
         p.metrics.write_validation({**out, "step": self.progress.step})
         return out
 
