@@ -93,7 +93,8 @@ def test_evaluate_end_to_end_on_the_tiny_target(tiny_target, tmp_path, capsys, m
     out = tmp_path / "out"
     code = main(["evaluate", "--target", "tiny", "--draft", str(draft_dir), "--bench", str(bench), "--out", str(out),
                  "--chain", "3", "--tree-topk", "2", "--tree-depth", "3", "--tree-size", "6", "--max-new-tokens", "12",
-                 "--baselines", "prompt-lookup", "oracle", str(draft_dir), "hybrid", "--dtype", "float32",
+                 "--baselines", "prompt-lookup", "oracle", str(draft_dir), "hybrid", "suffix", "hybrid-suffix",
+                 "--dtype", "float32",
                  "--latency-prefix", "32", "--threads", "1", "--json"])
     assert code == 0
     res = json.loads((out / "results.json").read_text())
@@ -101,10 +102,12 @@ def test_evaluate_end_to_end_on_the_tiny_target(tiny_target, tmp_path, capsys, m
     assert printed["configs"] == res["configs"]
     names = [c["name"] for c in res["configs"]]
     assert names == ["eagle3 chain k=3", "eagle3 tree k=2 d=3 n=6", "prompt-lookup k=7", "oracle k=3",
-                     f"{tmp_path.name}/draft chain k=3", "hybrid k=3 + prompt-lookup k=7"]
+                     f"{tmp_path.name}/draft chain k=3", "hybrid k=3 + prompt-lookup k=7", "suffix k=8",
+                     "hybrid k=3 + suffix k=8"]
     assert all(c["lossless"]["checked"] and c["lossless"]["identical"] for c in res["configs"])
-    hybrid = res["configs"][5]
-    assert sum(hybrid["rounds_by_drafter"].values()) >= hybrid["drafted_rounds"] > 0  # every round from one of them
+    for hybrid in (res["configs"][5], res["configs"][7]):  # every round from one of them
+        assert sum(hybrid["rounds_by_drafter"].values()) >= hybrid["drafted_rounds"] > 0
+    assert set(res["configs"][7]["rounds_by_drafter"]) == {"eagle3", "suffix"}
     oracle = res["configs"][3]
     assert oracle["tau"] > 3.0 and oracle["accept_rate_by_position"] == [1.0, 1.0, 1.0]
     assert res["bench"]["turns"] == 3 and set(res["configs"][0]["per_category"]) == {"math", "writing"}

@@ -29,6 +29,7 @@ from eyas.speculate.drafters import (
     join_chains,
 )
 from eyas.speculate.quantize import quantize_int8
+from eyas.speculate.suffix import SuffixDrafter, SuffixTrie
 from eyas.speculate.target_forward import HFRunner, LeanRunner, attention_mask, effective_latency, verify_widths
 from tests.speculate_helpers import random_prompts, trained_draft, untrained_draft
 
@@ -129,6 +130,10 @@ def _drafter(kind, target):
         return OracleDrafter(chain, tree=kind.endswith("tree"), vocab=target.vocab_size)
     if kind == "prompt-lookup":
         return PromptLookupDrafter(chain)
+    if kind == "suffix":
+        return SuffixDrafter(chain, max_spec_factor=2.0)
+    if kind == "hybrid-suffix":
+        return HybridDrafter(Eagle3Drafter(trained_draft(target), k=chain), SuffixDrafter(chain))
     if kind.startswith("hybrid"):  # hybrid-adaptive: with a controller of its own, on costs where drafting pays;
         # hybrid-both: where verifying more tokens costs nothing, so both chains in one tree pay whenever lookup matches
         costs = {"adaptive": {1: 1.0, 2: 1.05, 5: 1.2}, "both": {1: 1.0, 16: 1.0}}.get(kind.split("-")[-1])
@@ -140,7 +145,7 @@ def _drafter(kind, target):
 
 
 KINDS = ["untrained-chain", "untrained-tree", "trained-chain", "trained-tree", "oracle-chain", "oracle-tree",
-         "prompt-lookup", "hybrid", "hybrid-adaptive", "hybrid-both"]
+         "prompt-lookup", "suffix", "hybrid", "hybrid-adaptive", "hybrid-both", "hybrid-suffix"]
 
 
 @pytest.mark.parametrize("kind", KINDS + ["few-rows:prompt-lookup", "few-rows:hybrid-adaptive", "few-rows:hybrid-both"])
@@ -408,6 +413,52 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
     assert d.propose([4, 5, 1, 2, 7, 7, 1, 2, 9, 1, 2], 0.0, None, None).tokens.tolist() == [9, 1, 2]  # latest
     assert d.propose([1, 2, 3, 4], 0.0, None, None).tokens.tolist() == []
     assert d.propose([5, 6, 5], 0.0, None, 1).tokens.tolist() == [6]  # unigram fallback, budget 1
+
+
+def test_a_suffix_trie_counts_every_substring_up_to_its_depth():
+    t = SuffixTrie(depth=3)
+    t.add([1, 2, 3, 1, 2, 4])
+    assert {tok: n.count for tok, n in t.root.children.items()} == {1: 2, 2: 2, 3: 1, 4: 1}
+    node = t.root.children[1].children[2]  # "1 2": twice, followed once by 3 and once by 4
+    assert node.count == 2 and {tok: n.count for tok, n in node.children.items()} == {3: 1, 4: 1}
+    assert node.children[3].children == {}  # depth 3: "1 2 3" is as deep as it goes
+    assert t.follow(t.follow([], 2), 3) == [t.root.children[3], t.root.children[2].children[3]]
+    assert t.follow([t.root.children[1]], 9) == []  # "9" never occurred: nor any suffix ending in it
+
+
+def test_suffix_drafting_follows_the_longest_match_and_grows_with_it():
+    d = SuffixDrafter(k=8)  # at most 1 x the match length
+    d.start([5, 1, 2, 3, 9, 1, 2], None)
+    assert d.propose([5, 1, 2, 3, 9, 1, 2], 0.0, None, None).tokens.tolist() == [3, 9]  # "1 2" -> 3 9
+    seq = [5, 1, 2, 3, 9, 1, 2, 3]  # "1 2 3" matched: 3 tokens
+    assert d.propose(seq, 0.0, None, None).tokens.tolist() == [9, 1, 2]
+    assert d.propose(seq, 0.0, None, 2).tokens.tolist() == [9, 1]  # the round's budget
+    assert d.propose([5, 1, 2, 3, 9, 1, 2, 3, 7], 0.0, None, None).tokens.tolist() == []  # 7 never continued
+
+
+def test_suffix_drafting_grows_a_tree_best_first_by_frequency():
+    d = SuffixDrafter(k=4, max_spec_factor=2.0, min_prob=0.2)
+    seq = [1, 2, 3, 8, 1, 2, 3, 8, 1, 2, 4, 1, 2]  # "4 1 2" never continued; "1 2" by 3, 3, 4
+    d.start(seq, None)
+    tokens, parents, expected, n = d.tree(seq, 8)  # budget 2 x the match of 2 = 4 tokens
+    assert n == 2 and tokens == [3, 8, 1, 2] and parents == [-1, 0, 1, 2]  # 2/3 each, above 4's 1/3
+    assert expected == pytest.approx(4 * 2 / 3)
+    d = SuffixDrafter(k=4, max_spec_factor=2.0, min_prob=0.2)
+    seq = [1, 2, 3, 8, 5, 1, 2, 3, 8, 6, 1, 2, 4, 7, 1, 2]  # after "1 2 3 8": 5 once, 6 once
+    d.start(seq, None)
+    tokens, parents, expected, n = d.tree(seq, 4)
+    # 3 (2/3), 8 (2/3), then three of 1/3: 4 (under the root, found first), 5 (under 8); 6 and 7 left out
+    assert n == 2 and tokens == [3, 8, 4, 5] and parents == [-1, 0, -1, 1]
+    assert expected == pytest.approx(2 / 3 + 2 / 3 + 1 / 3 + 1 / 3)
+    assert d.match(seq, 4) == ([3, 8, 5], 2)  # the hybrid's chain: the tree's first path (the likeliest)
+
+
+def test_suffix_drafting_learns_from_the_runs_earlier_replies():
+    d = SuffixDrafter(k=8)
+    d.start([40, 41, 7], None)  # first request: prompt 40 41, reply 7 8 9 10 11
+    d.propose([40, 41, 7, 8, 9, 10, 11], 0.0, None, None)
+    d.start([50, 7, 8], None)  # the next request: its own text has no "7 8" before; the first reply had
+    assert d.propose([50, 7, 8], 0.0, None, None).tokens.tolist() == [9, 10]
 
 
 def test_controller_picks_plain_for_a_poor_draft_and_long_chains_for_a_good_one():

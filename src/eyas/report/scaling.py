@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-NOT_DRAFTS = ("eagle3", "prompt-lookup", "hybrid", "oracle", "none", "")
+NOT_DRAFTS = ("eagle3", "prompt-lookup", "suffix", "hybrid", "hybrid-suffix", "oracle", "none", "")
 
 
 @dataclasses.dataclass(frozen=True)

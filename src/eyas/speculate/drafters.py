@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,6 +29,9 @@ import torch
 from eyas.speculate.controller import Controller, chain_yield, decayed_counts, union_yield
 from eyas.speculate.decode import Proposal, Round
 from eyas.speculate.target_forward import sync
+
+if TYPE_CHECKING:
+    from eyas.speculate.suffix import SuffixDrafter
 
 
 class Drafter:
@@ -261,6 +265,8 @@ class HybridDrafter(Drafter):
         the draft's chain of k tokens   sum_{i=0..k} a_e^i                         t(k+1) + k t_step
         both, as two branches of a tree 1 + sum_i [1 - (1 - a_e^i)(1 - a_n^i)]     t(k+m+1) + k t_step
 
+    The partner may also be suffix drafting (eyas.speculate.suffix: its most likely chain, n its match length capped
+    at 3), which plays prompt lookup's part below under its own name.
     a_n is prompt lookup's acceptance rate after a match of the last n tokens (a 3-token match predicts the next
     tokens better than a 1-token one), a_e the draft's: accepted / (accepted + rejections) over the rounds that
     option was verified, decayed by `decay` per such round, from a prior of one each. "Both" (`union`) verifies the
@@ -277,14 +283,14 @@ class HybridDrafter(Drafter):
 
     name = "hybrid"
 
-    def __init__(self, eagle: "Eagle3Drafter", lookup: PromptLookupDrafter, decay: float = 0.9,
+    def __init__(self, eagle: "Eagle3Drafter", lookup: "PromptLookupDrafter | SuffixDrafter", decay: float = 0.9,
                  controller: "Controller | None" = None, union: bool = False):
         self.k = max(eagle.k, lookup.k)  # no Drafter.__init__: the time and calls are the draft model's own
         self.eagle, self.lookup, self.decay, self.controller = eagle, lookup, decay, controller
         self.union = union and controller is not None
         # [accepted, rejections], decayed: the draft's, and prompt lookup's after a match of n tokens
-        self.stats = {"eagle3": [1.0, 1.0], **{lookup_key(n): [1.0, 1.0] for n in range(1, lookup.ngram + 1)}}
-        self.used = {"eagle3": 0, "prompt-lookup": 0, **({"both": 0} if self.union else {})}  # rounds of each
+        self.stats = {"eagle3": [1.0, 1.0], **{self.key(n): [1.0, 1.0] for n in range(1, lookup.ngram + 1)}}
+        self.used = {"eagle3": 0, lookup.name: 0, **({"both": 0} if self.union else {})}  # rounds of each
         # the open round: (len(seq) before it, the draft's seconds on it, [(stats key, the chain it verified)])
         self.last: tuple[int, float, list[tuple[str, list[int]]]] | None = None
 
@@ -298,6 +304,10 @@ class HybridDrafter(Drafter):
 
     def expected(self, which: str, k: int) -> float:
         return chain_yield(*self.stats[which], k)
+
+    def key(self, n: int) -> str:
+        """The stats key of the partner (prompt lookup, or suffix drafting) after a match of n tokens."""
+        return f"{self.lookup.name}/{n}"
 
     def start(self, seq, feats) -> None:
         self.eagle.start(seq, feats)
@@ -331,7 +341,7 @@ class HybridDrafter(Drafter):
 
         opts = [("eagle3", k, self.expected("eagle3", k), cost(k, k)) if k else ("plain", 0, 1.0, cost(0, 0))]
         if found:
-            key, m = lookup_key(n), len(found)
+            key, m = self.key(n), len(found)
             opts.append((key, 0, self.expected(key, m), cost(m, 0)))
             if k and self.union:
                 both = union_yield([(self.stats["eagle3"], k), (self.stats[key], m)])
@@ -353,15 +363,10 @@ class HybridDrafter(Drafter):
             chains.append(("eagle3", prop.tokens.tolist()))
         if which != "eagle3":  # prompt lookup's match, alone or beside the chain
             prop = join_chains(prop, found) if k else Proposal.chain(found)
-            chains.append((lookup_key(n), found))
-        self.used[which if which in ("eagle3", "both") else "prompt-lookup"] += 1
+            chains.append((self.key(n), found))
+        self.used[which if which in ("eagle3", "both") else self.lookup.name] += 1
         self.last = (len(seq), self.eagle.forward_time - t0, chains)
         return prop
-
-
-def lookup_key(n: int) -> str:
-    """The hybrid's stats key of prompt lookup after a match of n tokens."""
-    return f"prompt-lookup/{n}"
 
 
 class OracleDrafter(Drafter):

@@ -43,6 +43,7 @@ from eyas.speculate.decode import (
 )
 from eyas.speculate.drafters import Eagle3Drafter, HybridDrafter, OracleDrafter, PromptLookupDrafter, TreeShape
 from eyas.speculate.quantize import few_rows_draft, quantize_int8
+from eyas.speculate.suffix import SuffixDrafter
 from eyas.speculate.target_forward import (
     LeanRunner,
     effective_latency,
@@ -76,10 +77,13 @@ class EvalConfig(StageConfig):
     per_category: int = opt(0, "at most N prompts of each category, in file order (0 = no limit); MT-Bench lists its "
                             "categories one after another, so --per-category 2 samples all eight")
     baselines: tuple[str, ...] = opt(("prompt-lookup", "hybrid"),
-                                     "other drafters: prompt-lookup, hybrid (the draft's longest chain and prompt "
-                                     "lookup, per round the one expected to yield more), oracle, or a draft "
-                                     "checkpoint folder")
+                                     "other drafters: prompt-lookup, suffix (suffix decoding over the prompt, the "
+                                     "reply and the run's earlier replies), hybrid (the draft's longest chain and "
+                                     "prompt lookup, per round the one expected to yield more), hybrid-suffix (the "
+                                     "same with suffix decoding), oracle, or a draft checkpoint folder")
     lookup_k: int = opt(7, "prompt lookup: tokens proposed per round")
+    suffix_k: int = opt(8, "suffix decoding: tokens verified per round at most (its tree holds up to the match "
+                           "length's worth, docs/evaluate.md)")
     hf_generate: bool = opt(True, "also time transformers' generate; the faster plain decoder is the baseline")
     dtype: Dtype = dtype_opt("the target and the draft")
     device: str = device_opt()
@@ -236,10 +240,14 @@ def build_methods(cfg: EvalConfig, draft, extra: dict, latency: dict, vocab: int
         if b == "prompt-lookup":
             methods.append(Method(f"prompt-lookup k={cfg.lookup_k}", PromptLookupDrafter(cfg.lookup_k),
                                   ctl(cfg.lookup_k), "chain", cfg.lookup_k, b))
-        elif b == "hybrid":  # the draft's longest chain and prompt lookup, per round the likelier to pay
-            k, own = longest, ctl(longest)
-            drafter = HybridDrafter(Eagle3Drafter(draft, k=k), PromptLookupDrafter(cfg.lookup_k), controller=own)
-            methods.append(Method(f"hybrid k={k} + prompt-lookup k={cfg.lookup_k}", drafter, own, "chain", k, b))
+        elif b == "suffix":
+            methods.append(Method(f"suffix k={cfg.suffix_k}", SuffixDrafter(cfg.suffix_k), ctl(cfg.suffix_k), "tree",
+                                  cfg.suffix_k, b))
+        elif b in ("hybrid", "hybrid-suffix"):  # the draft's longest chain and prompt lookup (or suffix
+            k, own = longest, ctl(longest)  # decoding), per round the likelier to pay
+            partner = PromptLookupDrafter(cfg.lookup_k) if b == "hybrid" else SuffixDrafter(cfg.suffix_k)
+            drafter = HybridDrafter(Eagle3Drafter(draft, k=k), partner, controller=own)
+            methods.append(Method(f"hybrid k={k} + {partner.name} k={partner.k}", drafter, own, "chain", k, b))
         elif b == "oracle":
             k = longest
             methods.append(Method(f"oracle k={k}", OracleDrafter(k, vocab=vocab), None, "chain", k, b))
@@ -309,7 +317,7 @@ def _run(cfg: EvalConfig) -> dict:
     con.print(target.info())
     draft = load_draft(cfg.draft, target, device, target.dtype)
     extra = {b: load_draft(b, target, device, target.dtype) for b in cfg.baselines
-             if b not in ("prompt-lookup", "hybrid", "oracle", "none", "")}
+             if b not in ("prompt-lookup", "suffix", "hybrid", "hybrid-suffix", "oracle", "none", "")}
     quant = cfg.draft_quant
     if quant == "int8":
         if device.type != "cpu" or not hasattr(torch, "_weight_int8pack_mm"):
