@@ -220,10 +220,12 @@ def test_unsharded_configuration_is_stopped_by_the_audit(launched):
     assert not (run_dir / "metrics.jsonl").exists() or not metrics(run_dir)
 
 
-def test_training_drives_acc0_up(store, tmp_path):
-    """A real learning signal: top-1 agreement at TTT step 0 from ~1/512 to clearly above it."""
+@pytest.mark.parametrize("loss", ["ce", "lk-hybrid"])
+def test_training_drives_acc0_up(store, tmp_path, loss):
+    """A real learning signal: top-1 agreement at TTT step 0 from ~1/512 to clearly above it, with EAGLE-3's soft
+    cross-entropy and with the LK hybrid (--loss)."""
     run(TrainConfig(quiet=True, store=str(store), out=str(tmp_path / "learn"), epochs=12, micro_batch=4, lr=1e-2,
-                    warmup_ratio=0.0, **{**SMALL, "ttt_steps": 2}))
+                    warmup_ratio=0.0, loss=loss, **{**SMALL, "ttt_steps": 2}))
     acc0 = [m["acc_i"][0] for m in metrics(tmp_path / "learn")]
     start, end = np.mean(acc0[:4]), np.mean(acc0[-16:])
     assert start < 0.02 and end > 0.08 and end > start + 0.06, (start, end)
@@ -392,31 +394,35 @@ def test_online_mode_matches_the_store(tiny_target, store, tmp_path):
     assert online["samples"] == offline["samples"] == 4
 
 
-def test_fused_soft_cross_entropy_equals_the_plain_formula():
-    """eyas.draft.cross_entropy.soft_cross_entropy (used by ttt_forward) against -sum p log softmax(z), values and
-    gradients."""
-    import torch.nn.functional as F
-
+@pytest.mark.parametrize("kind", ["ce", "tv", "nla", "lk-hybrid"])
+def test_fused_head_losses_equal_their_plain_formulas(kind):
+    """eyas.draft.cross_entropy.soft_cross_entropy (used by ttt_forward) with each --loss against the loss written
+    plainly (eyas.draft.losses.reference_loss: -sum p log q, 1/2 sum |p - q|, -log sum min(p, q), the LK hybrid)
+    under autograd: values and gradients, rows weighted."""
     from eyas.draft.cross_entropy import soft_cross_entropy
+    from eyas.draft.losses import reference_loss
 
     g = torch.Generator().manual_seed(0)
     h = torch.randn(37, 16, generator=g, requires_grad=True)  # 37 rows: not a multiple of the chunk
     W = torch.randn(50, 16, generator=g, requires_grad=True)
     tl = torch.log_softmax(torch.randn(37, 50, generator=g) * 3, -1)
     row_w = torch.rand(37, generator=g)
-    loss, hit = soft_cross_entropy(h, W, tl)
+    loss, hit = soft_cross_entropy(h, W, tl, kind=kind)
     (loss * row_w).sum().backward()
     gh, gW = h.grad.clone(), W.grad.clone()
     h.grad = W.grad = None
-    logq = F.log_softmax(h @ W.T, -1)
-    ref = -(tl.exp() * logq).sum(-1)
+    z = h @ W.T
+    ref = reference_loss(kind, z, tl.exp())
     (ref * row_w).sum().backward()
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-5)
-    assert torch.equal(hit, logq.argmax(-1) == tl.argmax(-1))
+    assert torch.equal(hit, z.argmax(-1) == tl.argmax(-1))
     torch.testing.assert_close(gh, h.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gW, W.grad, rtol=1e-5, atol=1e-6)
-    empty, _ = soft_cross_entropy(h[:0], W.detach(), tl[:0])  # no counted rows, frozen head
+    empty, _ = soft_cross_entropy(h[:0], W.detach(), tl[:0], kind=kind)  # no counted rows, frozen head
     assert empty.shape == (0,)
+    if kind == "tv":  # 1 - sum min(p, q) is the total variation
+        q = torch.softmax(z.detach(), -1)
+        torch.testing.assert_close(loss, 1 - torch.minimum(tl.exp(), q).sum(-1), rtol=1e-5, atol=1e-6)
 
 
 def test_lr_schedule_from_the_real_step_count(reference):

@@ -70,9 +70,10 @@ def test_static_chunks_equal_the_reference():
         torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("form", ["table", "rows"])
-@pytest.mark.parametrize("weighted", [True, False])
-def test_static_cross_entropy_equals_the_gathered_one(form, weighted, monkeypatch):
+@pytest.mark.parametrize("form, weighted, kind", [("table", True, "ce"), ("rows", True, "ce"), ("table", False, "ce"),
+                                                  ("rows", False, "ce"), ("rows", True, "tv"),
+                                                  ("table", False, "nla"), ("rows", True, "lk-hybrid")])
+def test_static_cross_entropy_equals_the_gathered_one(form, weighted, kind, monkeypatch):
     """Every position of k = 3 steps, weight 0 where a step does not count: the counted rows' loss, hits and the
     gradients of h and W equal eyas.draft.cross_entropy's on the gathered rows (blocks of 5 positions, so that a
     block's target rows run into the next block's and past the row's end)."""
@@ -88,13 +89,13 @@ def test_static_cross_entropy_equals_the_gathered_one(form, weighted, monkeypatc
         valid[i, :, T - 1 - i:] = False  # no target row past the end
     scale = torch.tensor([1.0, 0.8, 0.64]) / 7
     weight = valid.float() * scale[:, None, None]
-    loss, hit = static_cross_entropy(h, W, target, weight if weighted else None)
+    loss, hit = static_cross_entropy(h, W, target, weight if weighted else None, kind)
     (torch.where(valid, loss, 0.0).sum((1, 2)) * scale).sum().backward()
     gh, gW = h.grad.clone(), W.grad.clone()
     h.grad = W.grad = None
     i, b, t = valid.nonzero(as_tuple=True)
     flat = TargetRows(final.reshape(B * T, H), head) if form == "rows" else target.reshape(B * T, Vd)
-    ref_loss, ref_hit = soft_cross_entropy(h[i, b, t], W, flat, b * T + t + 1 + i, scale[i])
+    ref_loss, ref_hit = soft_cross_entropy(h[i, b, t], W, flat, b * T + t + 1 + i, scale[i], kind)
     (ref_loss * scale[i]).sum().backward()
     torch.testing.assert_close(loss[valid], ref_loss, rtol=1e-5, atol=1e-5)
     assert torch.equal(hit[valid], ref_hit)

@@ -25,6 +25,8 @@ from typing import NamedTuple
 
 import torch
 
+from eyas.draft.losses import row_losses
+
 # (rows per block, rows per float32 chunk inside a block). CPU: the [16, Vd] float32 work stays in L2, and a block
 # of 1024 rows amortises the [Vd, H] update of dW (bench/bench_ttt_memory.py); GPUs take a block at once.
 SIZES = {"cpu": (1024, 16), "cuda": (2048, 2048)}
@@ -45,14 +47,15 @@ class SoftCrossEntropy(torch.autograd.Function):
     (loss per row [N] float32, draft top-1 == target top-1 [N] bool). Under autocast the matmuls run in its dtype."""
 
     @staticmethod
-    def forward(ctx, h, W, where, weight, sizes, *target):
+    def forward(ctx, h, W, where, weight, sizes, kind, *target):
         dt = _autocast_dtype(h.device.type)
         want_dW = ctx.needs_input_grad[1] and weight is not None  # no weights announced: dW in backward, with g
         with torch.autocast(h.device.type, enabled=False):
-            loss, hit, dh, dW = _blocks(h, W, where, weight, target, dt, sizes, ctx.needs_input_grad[0], want_dW)
+            loss, hit, dh, dW = _blocks(h, W, where, weight, target, dt, sizes, ctx.needs_input_grad[0], want_dW,
+                                        kind)
         ctx.mark_non_differentiable(hit)
         ctx.save_for_backward(h, W, where, weight, dh, dW, *target)
-        ctx.dt, ctx.sizes = dt, sizes
+        ctx.dt, ctx.sizes, ctx.kind = dt, sizes, kind
         return loss, hit
 
     @staticmethod
@@ -67,8 +70,8 @@ class SoftCrossEntropy(torch.autograd.Function):
                 grad_W = (dW * c).to(W.dtype)
             else:  # no weights announced, or an upstream gradient not proportional to them: dW now, with g
                 with torch.autocast(h.device.type, enabled=False):
-                    grad_W = _blocks(h, W, where, g, target, ctx.dt, ctx.sizes, False, True)[3].to(W.dtype)
-        return grad_h, grad_W, None, None, None, *(None for _ in target)
+                    grad_W = _blocks(h, W, where, g, target, ctx.dt, ctx.sizes, False, True, ctx.kind)[3].to(W.dtype)
+        return grad_h, grad_W, None, None, None, None, *(None for _ in target)
 
 
 def _autocast_dtype(kind: str) -> torch.dtype | None:
@@ -84,10 +87,11 @@ def _ratio(g: torch.Tensor, w: torch.Tensor) -> float | None:
 
 
 def soft_cross_entropy(h: torch.Tensor, W: torch.Tensor, target, where: torch.Tensor | None = None,
-                       weight: torch.Tensor | None = None):
+                       weight: torch.Tensor | None = None, kind: str = "ce"):
     """See SoftCrossEntropy. target: log-probs [M,Vd] or TargetRows; `where` [N] defaults to every target row in
     order; `weight` [N]: the gradient each row's loss will get, up to a common factor (None: unknown, so the head's
-    weight gradient waits for backward, one more pass over the output head)."""
+    weight gradient waits for backward, one more pass over the output head); `kind`: the loss (eyas.draft.losses,
+    the soft cross-entropy by default)."""
     if where is None:
         where = torch.arange(h.shape[0], device=h.device)
     weight = None if weight is None else weight.float()
@@ -96,11 +100,11 @@ def soft_cross_entropy(h: torch.Tensor, W: torch.Tensor, target, where: torch.Te
     if not (torch.is_grad_enabled() and (h.requires_grad or W.requires_grad)):  # validation: no gradients made
         dt = _autocast_dtype(h.device.type)
         with torch.autocast(h.device.type, enabled=False):
-            return _blocks(h, W, where, weight, target, dt, sizes, False, False)[:2]
-    return SoftCrossEntropy.apply(h, W, where, weight, sizes, *target)
+            return _blocks(h, W, where, weight, target, dt, sizes, False, False, kind)[:2]
+    return SoftCrossEntropy.apply(h, W, where, weight, sizes, kind, *target)
 
 
-def _blocks(h, W, where, weight, target, dt, sizes, want_dh: bool, want_dW: bool):
+def _blocks(h, W, where, weight, target, dt, sizes, want_dh: bool, want_dW: bool, kind: str = "ce"):
     """The block loop of SoftCrossEntropy -> (loss [N] float32, hit [N] bool, dh [N,H] or None, dW [Vd,H] float32
     or None, accumulated with `weight`). dt: the matmuls' dtype (None: the inputs' own)."""
     block, chunk = sizes
@@ -119,7 +123,7 @@ def _blocks(h, W, where, weight, target, dt, sizes, want_dh: bool, want_dW: bool
         u, local = torch.unique_consecutive(ranked[s:s + block], return_inverse=True)
         p, top = _target(target, u)  # [U,Vd] float32, [U]
         z = hc[rows] @ Wc.T  # [R,Vd] logits, then dz in place
-        loss[rows], hit[rows] = _soft_rows(z, p, top, local, chunk)
+        loss[rows], hit[rows] = _soft_rows(z, p, top, local, chunk, kind)
         if want_dh:
             dh[rows] = (z @ Wc).to(h.dtype)
         if want_dW:
@@ -142,14 +146,19 @@ def _target(target, u):
     return t.sub_(t.logsumexp(-1, keepdim=True)).exp_(), top
 
 
-def _soft_rows(z, p, top, local, chunk: int):
+def _soft_rows(z, p, top, local, chunk: int, kind: str = "ce"):
     """Loss [R] and hit [R] of a block's logits z [R,Vd], whose row r has the target row local[r] of p [U,Vd];
-    z becomes dz = softmax(z) - p in place. Float32 over row chunks small enough to stay in cache."""
+    z becomes dz in place (softmax(z) - p for the soft cross-entropy; eyas.draft.losses for the others). Float32
+    over row chunks small enough to stay in cache."""
     R = z.shape[0]
     loss = torch.empty(R, dtype=torch.float32, device=z.device)
     hit = torch.empty(R, dtype=torch.bool, device=z.device)
     for s in range(0, R, chunk):
         zf = z[s:s + chunk].float()  # [c,Vd] (z itself when float32: it is overwritten below anyway)
+        if kind != "ce":
+            hit[s:s + chunk] = zf.argmax(-1) == top[local[s:s + chunk]]
+            loss[s:s + chunk], z[s:s + chunk] = row_losses(kind, zf, p[local[s:s + chunk]])
+            continue
         m, draft_top = zf.max(-1)
         e = zf.sub_(m[:, None]).exp()  # exp(z - m)
         total = e.sum(-1)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from eyas.draft.cross_entropy import TargetRows, _autocast_dtype
+from eyas.draft.losses import row_losses
 
 BLOCK = {"cpu": 256, "cuda": 2048}  # positions of one row per block
 
@@ -31,14 +32,14 @@ class StaticCrossEntropy(torch.autograd.Function):
     the end are zeros, and must have weight 0). Under autocast the matmuls run in its dtype."""
 
     @staticmethod
-    def forward(ctx, h, W, weight, block, *target):
+    def forward(ctx, h, W, weight, block, kind, *target):
         dt = _autocast_dtype(h.device.type)
         want_dW = ctx.needs_input_grad[1] and weight is not None
         with torch.autocast(h.device.type, enabled=False):
-            loss, hit, dh, dW = _blocks(h, W, weight, target, dt, block, ctx.needs_input_grad[0], want_dW)
+            loss, hit, dh, dW = _blocks(h, W, weight, target, dt, block, ctx.needs_input_grad[0], want_dW, kind)
         ctx.mark_non_differentiable(hit)
         ctx.save_for_backward(h, W, weight, dh, dW, *target)
-        ctx.dt, ctx.block = dt, block
+        ctx.dt, ctx.block, ctx.kind = dt, block, kind
         return loss, hit
 
     @staticmethod
@@ -55,23 +56,25 @@ class StaticCrossEntropy(torch.autograd.Function):
                 grad_W = (dW * c).to(W.dtype)
             else:
                 with torch.autocast(h.device.type, enabled=False):
-                    grad_W = _blocks(h, W, g, target, ctx.dt, ctx.block, False, True)[3].to(W.dtype)
-        return grad_h, grad_W, None, None, *(None for _ in target)
+                    grad_W = _blocks(h, W, g, target, ctx.dt, ctx.block, False, True, ctx.kind)[3].to(W.dtype)
+        return grad_h, grad_W, None, None, None, *(None for _ in target)
 
 
-def static_cross_entropy(h: torch.Tensor, W: torch.Tensor, target, weight: torch.Tensor | None = None):
-    """See StaticCrossEntropy. target: log-probs [B,T,Vd] or TargetRows(final [B,T,H], head_rows)."""
+def static_cross_entropy(h: torch.Tensor, W: torch.Tensor, target, weight: torch.Tensor | None = None,
+                         kind: str = "ce"):
+    """See StaticCrossEntropy. target: log-probs [B,T,Vd] or TargetRows(final [B,T,H], head_rows); `kind`: the loss
+    (eyas.draft.losses)."""
     weight = None if weight is None else weight.float()
     block = BLOCK.get(h.device.type, BLOCK["cuda"])
     target = tuple(target) if isinstance(target, TargetRows) else (target,)
     if not (torch.is_grad_enabled() and (h.requires_grad or W.requires_grad)):
         dt = _autocast_dtype(h.device.type)
         with torch.autocast(h.device.type, enabled=False):
-            return _blocks(h, W, weight, target, dt, block, False, False)[:2]
-    return StaticCrossEntropy.apply(h, W, weight, block, *target)
+            return _blocks(h, W, weight, target, dt, block, False, False, kind)[:2]
+    return StaticCrossEntropy.apply(h, W, weight, block, kind, *target)
 
 
-def _blocks(h, W, weight, target, dt, block: int, want_dh: bool, want_dW: bool):
+def _blocks(h, W, weight, target, dt, block: int, want_dh: bool, want_dW: bool, kind: str = "ce"):
     """-> loss [k,B,T] float32, hit [k,B,T] bool, dh [k,B,T,H] or None, dW [Vd,H] float32 or None (with `weight`)."""
     k, B, T, _ = h.shape
     hc, Wc = h.to(dt or h.dtype), W.to(dt or h.dtype)
@@ -92,13 +95,10 @@ def _blocks(h, W, weight, target, dt, block: int, want_dh: bool, want_dW: bool):
             p = (t - t.logsumexp(-1, keepdim=True)).exp_()  # [n+k-1, Vd] float32 (t may be the table itself)
             for i in range(k):
                 z = (hc[i, r, a:b] @ Wc.T).float()  # [n, Vd]
-                m, draft_top = z.max(-1)
-                e = z.sub_(m[:, None]).exp()
-                total = e.sum(-1)
                 pi = p[i:i + n]
-                loss[i, r, a:b] = total.log() - (pi * z).sum(-1)  # lse(z) - p.z (shift-invariant: sum p = 1)
-                hit[i, r, a:b] = draft_top == top[i:i + n]
-                dz = e.div_(total[:, None]).sub_(pi).to(Wc.dtype)  # softmax(z) - p
+                hit[i, r, a:b] = z.argmax(-1) == top[i:i + n]
+                loss[i, r, a:b], dz = row_losses(kind, z, pi)  # ce: lse(z) - p.z, softmax(z) - p
+                dz = dz.to(Wc.dtype)
                 if want_dh:
                     dh[i, r, a:b] = (dz @ Wc).to(h.dtype)
                 if want_dW:

@@ -73,7 +73,7 @@ def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
 def ttt_forward(model: Eagle3Draft, input_ids: torch.Tensor, aux: torch.Tensor, target_logp, loss_mask: torch.Tensor,
                 steps: int, position_ids: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
                 target_index: torch.Tensor | None = None, step_scale: torch.Tensor | None = None,
-                path: str | None = None, attention: str | None = None) -> TTTResult:
+                path: str | None = None, attention: str | None = None, loss: str = "ce") -> TTTResult:
     """Unroll the draft for `steps` steps. input_ids/loss_mask [B,T], aux [B,T,3Ht]; position_ids and doc_ids
     [B,T] for packed sequences (default: one document per row, positions 0..T-1).
 
@@ -87,7 +87,7 @@ def ttt_forward(model: Eagle3Draft, input_ids: torch.Tensor, aux: torch.Tensor, 
 
     path: "gathered" or "static" (see the module docstring; default: static on CUDA, gathered elsewhere); the static
     path takes the full targets (no target_index). attention, for the static path: "flex" (default on CUDA) or
-    "chunked" (its query chunks fixed by T: nothing read back)."""
+    "chunked" (its query chunks fixed by T: nothing read back). loss: the head's loss (eyas.draft.losses)."""
     B, T = input_ids.shape
     dev = input_ids.device
     if position_ids is None:
@@ -99,7 +99,7 @@ def ttt_forward(model: Eagle3Draft, input_ids: torch.Tensor, aux: torch.Tensor, 
         if target_index is not None:
             raise ValueError("the static TTT path takes the full targets [B,T,...], not compact ones with an index")
         return _static(model, input_ids, aux, target_logp, loss_mask, steps, position_ids, doc_ids, step_scale,
-                       attention or ("flex" if dev.type == "cuda" else "chunked"))
+                       attention or ("flex" if dev.type == "cuda" else "chunked"), loss)
     if path != "gathered":
         raise ValueError(f"unknown TTT path {path!r}: one of {', '.join(PATHS)}")
     chunks = query_chunks(doc_ids, CHUNK.get(dev.type, CHUNK["cuda"]))  # once for every layer and step
@@ -123,7 +123,8 @@ def ttt_forward(model: Eagle3Draft, input_ids: torch.Tensor, aux: torch.Tensor, 
     else:
         target_logp = target_logp.reshape(B * T, -1)
     weight = None if step_scale is None else step_scale.float().to(dev)[step]
-    loss_row, hit = soft_cross_entropy(model.norm(torch.cat(rows)), model.lm_head.weight, target_logp, where, weight)
+    loss_row, hit = soft_cross_entropy(model.norm(torch.cat(rows)), model.lm_head.weight, target_logp, where, weight,
+                                       loss)
     loss_sum = torch.zeros(steps, dtype=loss_row.dtype, device=dev).index_add(0, step, loss_row)
     correct = torch.zeros(steps, dtype=torch.long, device=dev).index_add(0, step, hit.long())
     return TTTResult(loss_sum, correct, count)
@@ -162,7 +163,7 @@ def counted(input_ids, loss_mask, doc_ids, t2d: torch.Tensor, i: int) -> torch.T
 
 
 def _static(model, input_ids, aux, target, loss_mask, steps, position_ids, doc_ids, step_scale,
-            attention: str) -> TTTResult:
+            attention: str, kind: str = "ce") -> TTTResult:
     """ttt_forward's static path: every shape from (steps, B, T), nothing read back to the host."""
     B, T = input_ids.shape
     if attention == "flex":
@@ -179,7 +180,7 @@ def _static(model, input_ids, aux, target, loss_mask, steps, position_ids, doc_i
     weight = None if step_scale is None else valid.float() * step_scale.float().to(valid.device)[:, None, None]
     if (target.final if isinstance(target, TargetRows) else target).dim() != 3:
         raise ValueError("the static TTT path takes targets over every position: [B,T,Vd] or TargetRows [B,T,H]")
-    loss, hit = static_cross_entropy(model.norm(torch.stack(states)), model.lm_head.weight, target, weight)
+    loss, hit = static_cross_entropy(model.norm(torch.stack(states)), model.lm_head.weight, target, weight, kind)
     zero = torch.zeros((), dtype=loss.dtype, device=loss.device)
     return TTTResult(torch.where(valid, loss, zero).sum((1, 2)), (hit & valid).sum((1, 2)), valid.sum((1, 2)))
 

@@ -27,18 +27,20 @@ class TTTObjective(nn.Module):
     (optional: the output head's weight gradient is then made in the forward pass alone).
 
     path: ttt_forward's ("gathered", the CPU's; "static", the GPU's); compiled: ttt_forward under
-    torch.compile(fullgraph=True), the static path only (the gathered one reads counts back to the host)."""
+    torch.compile(fullgraph=True), the static path only (the gathered one reads counts back to the host); loss: the
+    output head's loss (eyas.draft.losses)."""
 
-    def __init__(self, draft: Eagle3Draft, steps: int, path: str = "gathered", compiled: bool = False):
+    def __init__(self, draft: Eagle3Draft, steps: int, path: str = "gathered", compiled: bool = False,
+                 loss: str = "ce"):
         super().__init__()
-        self.draft, self.steps, self.path = draft, steps, path
+        self.draft, self.steps, self.path, self.loss = draft, steps, path, loss
         if compiled:  # fullgraph fails hard past the limit (default 8), where a run's shapes can take it
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self.ttt = torch.compile(ttt_forward, fullgraph=True, backend=COMPILE_BACKEND) if compiled else ttt_forward
 
     def forward(self, input_ids, aux, target_logp, target_index, loss_mask, position_ids, doc_ids, step_scale=None):
         r = self.ttt(self.draft, input_ids, aux, target_logp, loss_mask, self.steps, position_ids, doc_ids,
-                     target_index, step_scale, path=self.path)
+                     target_index, step_scale, path=self.path, loss=self.loss)
         return r.loss_sum, r.correct, r.count
 
 

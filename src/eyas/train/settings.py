@@ -8,6 +8,7 @@ import dataclasses
 
 from eyas.core.config import StageConfig, check, opt
 from eyas.core.options import Dtype, collective_timeout_opt, device_opt, dtype_opt, target_opt, trust_remote_code_opt
+from eyas.draft.losses import LOSSES
 from eyas.train.plan import EPOCHS, GRAD_ACCUM, MICRO_BATCH
 from eyas.train.trackers import TRACKERS, missing_package
 
@@ -43,6 +44,9 @@ class TrainConfig(StageConfig):
     weight_decay: float = opt(0.0, "AdamW weight decay")
     grad_clip: float = opt(0.5, "clip the gradient's global norm to this (0 = off)")
     ttt_steps: int = opt(7, "training-time test: draft steps unrolled on its own outputs")
+    loss: str = opt("ce", "the output head's loss against the target's distribution: ce (soft cross-entropy, "
+                    "EAGLE-3's), tv (total variation: 1 - the acceptance rate), nla (-log of the acceptance rate), "
+                    "lk-hybrid (KL moving to TV as acceptance grows; the LK losses, docs/train.md)", choices=LOSSES)
     step_decay: float = opt(0.8, "weight of TTT step i's loss: decay**i")
     draft_vocab: int = opt(32000, "draft vocabulary size (capped at the target's vocabulary)")
     num_layers: int = opt(1, "draft decoder layers")

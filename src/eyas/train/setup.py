@@ -116,7 +116,7 @@ def setup(cfg, env, con) -> TrainParts:
     draft, head_rows = build_draft(cfg, env, dtype, target, draft_cfg, d2t, ckpt)
     path, compiled, path_line = choose_path(env.device, cfg.compile, env.distributed and cfg.parallel == "fsdp")
     con.print(path_line)
-    model = wrap(TTTObjective(draft, cfg.ttt_steps, path, compiled), cfg.parallel, env, dtype)
+    model = wrap(TTTObjective(draft, cfg.ttt_steps, path, compiled, cfg.loss), cfg.parallel, env, dtype)
     optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, env.device)
     if ckpt:
         load_optimizer_state(model, optimizer, ckpt.optimizer_state)
