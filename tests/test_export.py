@@ -32,9 +32,15 @@ def _same_target(monkeypatch, tiny_target):
     monkeypatch.setattr("eyas.draft.importer.load_target_shell", lambda spec, **kw: tiny_target)
 
 
-def make_checkpoint(target, folder: Path, draft_vocab: int = 500, seed: int = 0, fc_norm: bool = False) -> Eagle3Draft:
+# EAGLE-3's variant switches: the EAGLE-3.1 paper's draft, and speculators 0.9's default one
+VARIANTS = {"plain": {}, "eagle-3.1": {"fc_norm": True, "norm_output": True},
+            "speculators-0.9": {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True}}
+
+
+def make_checkpoint(target, folder: Path, draft_vocab: int = 500, seed: int = 0, fc_norm: bool = False,
+                    **flags) -> Eagle3Draft:
     """A trained-looking eyas checkpoint for the tiny target: target embeddings/head, random everything else."""
-    dc = DraftConfig.for_target(target, draft_vocab_size=draft_vocab, fc_norm=fc_norm)
+    dc = DraftConfig.for_target(target, draft_vocab_size=draft_vocab, fc_norm=fc_norm, **flags)
     m = Eagle3Draft(dc)
     g = torch.Generator().manual_seed(seed)
     vocab = build_draft_vocab(torch.randint(0, 100, (target.vocab_size,), generator=g).numpy(), draft_vocab)
@@ -67,6 +73,27 @@ def assert_same(a: Eagle3Draft, b: Eagle3Draft):
 @pytest.mark.parametrize("fc_norm", [False, True])
 def test_round_trip_identical(tiny_target, tmp_path, fmt, fc_norm):
     m = make_checkpoint(tiny_target, tmp_path / "ckpt", fc_norm=fc_norm)
+    round_trip(tiny_target, tmp_path, fmt, m, fc_norm)
+
+
+@pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
+@pytest.mark.parametrize("variant", ["eagle-3.1", "speculators-0.9"])
+def test_eagle31_variants_round_trip_with_vllms_names(tiny_target, tmp_path, fmt, variant):
+    """Each switch is written as vLLM reads it (config flags, `input_norm.weight` with norm_before_fc) and read
+    back to the same draft computing the same thing."""
+    flags = VARIANTS[variant]
+    m = make_checkpoint(tiny_target, tmp_path / "ckpt", **flags)
+    cfg = round_trip(tiny_target, tmp_path, fmt, m, flags.get("fc_norm", False))
+    for flag in ("fc_norm", "norm_before_fc", "norm_output", "norm_before_residual"):
+        assert cfg[flag] is flags.get(flag, False), flag
+    written = load_file(str(tmp_path / fmt / "model.safetensors"))
+    assert ("input_norm.weight" in written) is flags.get("norm_before_fc", False)
+    if "input_norm.weight" in written:
+        assert written["input_norm.weight"].shape == (3 * 64,)
+
+
+def round_trip(tiny_target, tmp_path, fmt, m, fc_norm) -> dict:
+    """Export `m` (saved in tmp_path/ckpt) in `fmt`, import it back, check it is the same draft; -> the config."""
     export(tmp_path / "ckpt", fmt, tmp_path / fmt)
     # vLLM's names for EAGLE-3.1's per-feature norms (llama_eagle3.py: config fc_norm, weights fc_norm.{i})
     written = load_file(str(tmp_path / fmt / "model.safetensors"))
@@ -74,7 +101,8 @@ def test_round_trip_identical(tiny_target, tmp_path, fmt, fc_norm):
     assert sorted(k for k in written if k.startswith("fc_norm.")) == \
         (["fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"] if fc_norm else [])
     card = (tmp_path / fmt / "README.md").read_text()
-    assert ("sglang.launch_server" in card) is (fmt == "eagle3" and not fc_norm)  # SGLang unchecked for fc_norm
+    variant = any(getattr(m.cfg, f) for f in ("fc_norm", "norm_before_fc", "norm_output", "norm_before_residual"))
+    assert ("sglang.launch_server" in card) is (fmt == "eagle3" and not variant)  # SGLang unchecked for variants
     s = import_(tmp_path / fmt, tmp_path / "back")
     back = read_draft(tmp_path / "back")
     assert_same(m, back)
@@ -85,6 +113,7 @@ def test_round_trip_identical(tiny_target, tmp_path, fmt, fc_norm):
     ids, aux, pos = torch.randint(0, 49152, (1, 9)), torch.randn(1, 9, 192), torch.arange(9)[None]
     with torch.no_grad():
         assert torch.equal(m.logits(m(ids, aux, pos)[0]), back.logits(back(ids, aux, pos)[0]))
+    return json.loads((tmp_path / fmt / "config.json").read_text())
 
 
 def expected_from_engines(fmt: str, V: int, Vd: int, H: int = 64, inter: int = 128, nq: int = 4, nkv: int = 2,
@@ -188,9 +217,10 @@ def _broken(tmp_path, tiny_target, fmt="eagle3", edit_w=None, edit_cfg=None) -> 
     (None, lambda c: c.update({"fc_norm": True}), "missing weight 'fc_norm.0.weight'"),
     (lambda w: w.update({"d2t": torch.zeros(500, dtype=torch.long)}), None, "'t2d' disagrees with 'd2t'"),
     (None, lambda c: c.update({"architectures": ["LlamaForCausalLM"]}), "unknown draft format"),
-    (None, lambda c: c.update({"norm_before_residual": True}), "norm_before_residual"),
-    (None, lambda c: c.update({"norm_before_fc": True}), "norm_before_fc = true is an EAGLE-3 variant"),
-    (None, lambda c: c.update({"norm_output": True}), "norm_output = true is an EAGLE-3 variant"),
+    (None, lambda c: c.update({"norm_before_fc": True}), "missing weight 'input_norm.weight'"),
+    (lambda w: w.update({"input_norm.weight": torch.ones(192)}), None, "weight 'input_norm.weight' must be absent"),
+    (None, lambda c: (c.update({"norm_output": True}), c.pop("eyas")),  # SpecForge writes it meaning another thing
+     "norm_output = true in an eagle3-layout config not written by eyas is ambiguous"),
     (None, lambda c: c.update({"sliding_window": 2048}), "sliding_window = 2048: the draft attends to a window"),
     (None, lambda c: c.pop("hidden_size"), "config field 'hidden_size' is missing"),
     (None, lambda c: c.update({"vocab_size": 1000}), "vocab_size 1000"),
@@ -283,7 +313,7 @@ def test_cli_export(tiny_target, tmp_path, capsys):
 _SPECULATORS_CHECK = textwrap.dedent("""
     import json, sys, torch
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-    from eyas.draft.model import Eagle3Draft
+    from eyas.draft.checkpoint import read_draft
     export_dir, ckpt = sys.argv[1], sys.argv[2]
     cfg = Eagle3SpeculatorConfig.from_pretrained(export_dir)
     cfg.transformer_layer_config._attn_implementation = "eager"  # its flex-attention default needs a GPU-sized T
@@ -332,8 +362,11 @@ def speculators_python() -> str:
 
 
 @pytest.mark.integration
-def test_speculators_loads_our_export(tiny_target, tmp_path):
-    make_checkpoint(tiny_target, tmp_path / "ckpt")
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_speculators_loads_our_export(tiny_target, tmp_path, variant):
+    """speculators' own Eagle3DraftModel, loaded from our export, computes what eyas's draft computes: TTT step 1 and
+    step 2 (which reads the previous step's output: post-norm with norm_output), for each variant's switches."""
+    make_checkpoint(tiny_target, tmp_path / "ckpt", **VARIANTS[variant])
     tiny_target.model.save_pretrained(tmp_path / "verifier")  # a local verifier: speculators validates the ids
     export(tmp_path / "ckpt", "speculators", tmp_path / "sp", verifier=str(tmp_path / "verifier"))
     (tmp_path / "check.py").write_text(_SPECULATORS_CHECK)

@@ -1,6 +1,7 @@
 """The EAGLE-3 draft, its vocabulary and training-time test, against hand computations."""
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -13,15 +14,25 @@ from eyas.draft.vocab import build_draft_vocab, count_tokens
 V, H = 50, 16
 
 
-def small_draft(draft_vocab=20, seed=0) -> Eagle3Draft:
+def small_draft(draft_vocab=20, seed=0, **flags) -> Eagle3Draft:
     cfg = DraftConfig(hidden_size=H, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
-                      vocab_size=V, draft_vocab_size=draft_vocab, target_hidden_size=H, feature_layers=(2, 3, 4))
+                      vocab_size=V, draft_vocab_size=draft_vocab, target_hidden_size=H, feature_layers=(2, 3, 4),
+                      **flags)
     m = Eagle3Draft(cfg)
     g = torch.Generator().manual_seed(seed)
     counts = torch.randint(0, 5, (V,), generator=g).numpy()
     vocab = build_draft_vocab(counts, draft_vocab)
     m.init_weights(torch.randn(V, H, generator=g), torch.randn(V, H, generator=g), vocab.d2t, seed=seed)
+    if flags:  # norms away from ones, so that one applied or left out shows
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                if name.endswith("norm.weight") or name.startswith("fc_norm."):
+                    p.copy_(torch.rand(p.shape, generator=g) + 0.5)
     return m
+
+
+VARIANTS = [{}, {"fc_norm": True, "norm_output": True},
+            {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True}]
 
 
 def test_vocab_top_k_and_fill():
@@ -91,11 +102,12 @@ def test_chain_attention_mask_matches_explicit_inference_mask():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_ttt_step1_equals_inference_with_cache():
+@pytest.mark.parametrize("flags", VARIANTS, ids=["plain", "eagle-3.1", "speculators-0.9"])
+def test_ttt_step1_equals_inference_with_cache(flags):
     """TTT step 1 at position t equals what inference computes: prefix from target features in the cache, then
-    one draft step on the draft's own output at position t+1."""
+    one draft step on the draft's own output at position t+1 (read post-norm with norm_output, on both sides)."""
     torch.manual_seed(2)
-    m = small_draft()
+    m = small_draft(**flags)
     T = 7
     ids = m.target_ids()[torch.randint(0, 20, (1, T))]
     aux = torch.randn(1, T, 3 * H)
@@ -203,6 +215,39 @@ def test_fc_norm_normalises_each_target_feature_before_fc(tmp_path):
     assert back.cfg.fc_norm and torch.equal(back.fc_norm[2].weight, m.fc_norm[2].weight)
     plain = small_draft()
     assert plain.fc_norm is None and "fc_norm.0.weight" not in plain.state_dict()
+
+
+def test_the_eagle31_switches_compute_as_vllm_does_by_hand():
+    """norm_before_fc: fc(w * x / rms(x)) over the three features together (vLLM's input_norm); norm_before_residual:
+    the first layer's residual is hidden_norm(g); norm_output: a step's output is read through the final norm by
+    the next step. fc_norm and norm_before_fc exclude each other."""
+    m = small_draft(norm_before_fc=True, norm_before_residual=True, norm_output=True)
+    plain = small_draft()
+    plain.load_state_dict({k: v for k, v in m.state_dict().items() if not k.startswith("input_norm.")})
+    g = torch.Generator().manual_seed(3)
+    aux = torch.randn(1, 5, 3 * H, generator=g) * 7
+    rms = aux.pow(2).mean(-1, keepdim=True).add(m.cfg.rms_norm_eps).sqrt()
+    with torch.no_grad():
+        torch.testing.assert_close(m.fuse(aux), (m.input_norm.weight * aux / rms) @ m.fc.weight.T)
+        gfused = m.fuse(aux)
+        cos, sin = m.rope(torch.arange(5)[None], gfused.dtype)
+        embeds = m.embed_tokens(torch.arange(5)[None])
+        residual = m.midlayer.qkv(gfused, embeds, cos, sin)[3]
+        torch.testing.assert_close(residual, m.midlayer.hidden_norm(gfused))
+        assert torch.equal(plain.midlayer.qkv(gfused, embeds, cos, sin)[3], gfused)  # the raw g otherwise
+        h = torch.randn(1, 1, H, generator=g)
+        ids, pos = torch.tensor([[3]]), torch.tensor([[5]])
+        torch.testing.assert_close(m(ids, h, pos)[0], plain_with_residual_norm(m)(ids, m.norm(h), pos)[0])
+    with pytest.raises(ValueError, match="exclude each other"):
+        small_draft(fc_norm=True, norm_before_fc=True)
+
+
+def plain_with_residual_norm(m):
+    """`m` without norm_output (the same weights): what reads a hidden state as it is given."""
+    other = Eagle3Draft(DraftConfig(**{**m.cfg.to_dict(), "norm_output": False, "feature_layers": (2, 3, 4),
+                                       "target": ()}))
+    other.load_state_dict(m.state_dict())
+    return other
 
 
 def test_init_from_layer_refuses_another_shape_and_a_missing_weight():

@@ -522,6 +522,18 @@ def test_fc_norm_trains_the_feature_norms_and_the_checkpoint_says_so(store, tmp_
     assert all(not torch.equal(n.weight, torch.ones_like(n.weight)) for n in draft.fc_norm)  # trained, not left at 1
 
 
+def test_speculators_eagle31_switches_train_and_the_checkpoint_says_so(store, tmp_path):
+    """--norm-before-fc --norm-output --norm-before-residual (speculators 0.9's defaults): the input norm is trained
+    and the switches reach the checkpoint; --fc-norm with --norm-before-fc is refused."""
+    run(TrainConfig(quiet=True, store=str(store), out=str(tmp_path / "s"), max_steps=3, norm_before_fc=True,
+                    norm_output=True, norm_before_residual=True, lr=1e-2, **SMALL))
+    draft = read_draft(tmp_path / "s" / "final")
+    assert draft.cfg.norm_before_fc and draft.cfg.norm_output and draft.cfg.norm_before_residual
+    assert not torch.equal(draft.input_norm.weight, torch.ones_like(draft.input_norm.weight))
+    with pytest.raises(EyasError, match="exclude each other"):
+        TrainConfig(store=str(store), fc_norm=True, norm_before_fc=True).validate()
+
+
 def test_init_from_target_starts_the_draft_layer_from_the_targets_last_layer(store, tmp_path, tiny_target):
     run(TrainConfig(quiet=True, store=str(store), out=str(tmp_path / "i"), max_steps=1, init_from_target=True,
                     lr=1e-12, **SMALL))

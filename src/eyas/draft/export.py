@@ -44,8 +44,8 @@ _DTYPE_CHECK = {"float": torch.is_floating_point, "int64": lambda t: t.dtype == 
                 "bool": lambda t: t.dtype == torch.bool}
 # Keys of foreign checkpoints that carry nothing the draft computes with (speculators' training-only copies).
 IGNORED_KEYS = ("verifier_lm_head.weight", "verifier_norm.weight")
-# EAGLE-3 variants eyas's draft does not implement: importing them would silently compute something else.
-VARIANT_FLAGS = ("norm_before_residual", "norm_before_fc", "norm_output")  # fc_norm is implemented (DraftConfig)
+# EAGLE-3's variant switches, each one a DraftConfig field of the same name (EAGLE-3.1 and speculators' defaults)
+VARIANT_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 
 # -- the engine list --------------------------------------------------------------------------------------------
@@ -59,7 +59,7 @@ def dims(dc: DraftConfig) -> dict[str, int]:
     """The shape symbols of engine_keys.json for one draft."""
     return {"H": dc.hidden_size, "Ht": dc.target_hidden_size, "V": dc.vocab_size, "Vd": dc.draft_vocab_size,
             "I": dc.intermediate_size, "Nq": dc.num_attention_heads, "Nkv": dc.num_key_value_heads,
-            "D": dc.head_dim, "fc_norm": int(dc.fc_norm)}
+            "D": dc.head_dim, "fc_norm": int(dc.fc_norm), "norm_before_fc": int(dc.norm_before_fc)}
 
 
 def shape_of(expr: list[str], d: dict[str, int]) -> tuple[int, ...]:
@@ -69,7 +69,8 @@ def shape_of(expr: list[str], d: dict[str, int]) -> tuple[int, ...]:
 
 def present(rule: str, d: dict[str, int]) -> bool | None:
     """True: must be there, False: must not be, None: may be."""
-    rules = {"required": True, "optional": None, "iff Vd != V": d["Vd"] != d["V"], "iff fc_norm": bool(d["fc_norm"])}
+    rules = {"required": True, "optional": None, "iff Vd != V": d["Vd"] != d["V"], "iff fc_norm": bool(d["fc_norm"]),
+             "iff norm_before_fc": bool(d["norm_before_fc"])}
     return rules[rule]
 
 
@@ -90,8 +91,9 @@ def check_weights(fmt: str, tensors: dict[str, torch.Tensor], d: dict[str, int],
                                 f"(shape {list(shape_of(s['shape'], d))})", "export the draft again, or complete it")
             continue
         if need is False and key not in relaxed:
-            why = "the config has no fc_norm" if s["presence"] == "iff fc_norm" else \
-                "the draft vocabulary is the whole vocabulary (vLLM then has no parameter for it)"
+            why = (f"the config has no {s['presence'].removeprefix('iff ')}" if s["presence"] in
+                   ("iff fc_norm", "iff norm_before_fc") else
+                   "the draft vocabulary is the whole vocabulary (vLLM then has no parameter for it)")
             raise EyasError(f"{where}: weight {key!r} must be absent", why, f"drop {key!r}")
         t, want = tensors[key], shape_of(s["shape"], d)
         if tuple(t.shape) != want:
@@ -165,7 +167,7 @@ def eagle3_config(dc: DraftConfig, dtype: str, provenance: dict) -> dict:
     hf = list(dc.feature_layers)
     return {"architectures": ["LlamaForCausalLMEagle3"], **_llama_fields(dc, dtype),
             "draft_vocab_size": dc.draft_vocab_size, "target_hidden_size": dc.target_hidden_size,
-            "norm_before_residual": False, "fc_norm": dc.fc_norm,
+            **{flag: getattr(dc, flag) for flag in VARIANT_FLAGS},
             "eagle_aux_hidden_state_layer_ids": hf,  # vLLM: HF hidden_states indices
             "eagle_config": {"use_aux_hidden_state": True,  # SGLang: decoder-layer index = HF index - 1
                              "eagle_aux_hidden_state_layer_ids": [i - 1 for i in hf]},
@@ -182,7 +184,7 @@ def speculators_config(dc: DraftConfig, dtype: str, verifier: tuple[str | None, 
             "transformer_layer_config": _llama_fields(dc, dtype),
             "draft_vocab_size": dc.draft_vocab_size, "target_hidden_size": dc.target_hidden_size,
             # explicit: vLLM's speculators translation defaults norm_before_residual to TRUE when absent
-            "norm_before_residual": False, "norm_before_fc": False, "fc_norm": dc.fc_norm, "norm_output": False,
+            **{flag: getattr(dc, flag) for flag in VARIANT_FLAGS},
             "embed_requires_grad": False, "eagle_aux_hidden_state_layer_ids": list(dc.feature_layers),
             "tie_word_embeddings": False, "dtype": dtype, "eyas": provenance}
 
@@ -309,7 +311,8 @@ def _run(cfg: ExportConfig) -> dict:
     size = (out / WEIGHTS_FILE).stat().st_size
     summary = {"format": cfg.format, "out": str(out), "tensors": len(tensors), "bytes": size, "dtype": dtype,
                "draft_vocab_size": dc.draft_vocab_size, "vllm_layer_ids": list(dc.feature_layers),
-               "sglang_layer_ids": [i - 1 for i in dc.feature_layers], "verifier": verifier[0], "fc_norm": dc.fc_norm}
+               "sglang_layer_ids": [i - 1 for i in dc.feature_layers], "verifier": verifier[0], "fc_norm": dc.fc_norm,
+               "variants": variants(dc)}
     con.summary(f"export: {cfg.format} draft -> {out} ({len(tensors)} tensors, {fmt_bytes(size)}, {dtype}; "
                 f"layer ids vLLM {summary['vllm_layer_ids']} / SGLang {summary['sglang_layer_ids']})")
     return summary
@@ -377,19 +380,24 @@ def _table(rows: list[tuple[str, object]], empty: str) -> str:
     return "| figure | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows[:30])
 
 
+def variants(dc: DraftConfig) -> list[str]:
+    """The variant switches the draft has on (EAGLE-3.1's and speculators' norms)."""
+    return [flag for flag in VARIANT_FLAGS if getattr(dc, flag)]
+
+
 def model_card(fmt: str, dc: DraftConfig, meta: dict, verifier: str | None) -> str:
     t, hf = dc.target_identity, list(dc.feature_layers)
+    on = ", ".join(f"`{f}`" for f in variants(dc))
     tau = _tau(meta.get("evaluation"))
     data = meta.get("data") or (meta.get("training") or {}).get("data")
     run = ("vLLM: `python -m vllm.entrypoints.openai.api_server --model TARGET --speculative-config "
            "'{\"method\": \"eagle3\", \"model\": \"THIS_FOLDER\", \"num_speculative_tokens\": 3}'`\n\n"
-           + ("SGLang: not checked for drafts with `fc_norm` (EAGLE-3.1's feature norms); serve this one with vLLM"
-              if dc.fc_norm else "SGLang: `python -m sglang.launch_server --model-path TARGET "
+           + (f"SGLang: not checked for drafts with {on} (EAGLE-3.1's and speculators' variants); serve this one "
+              "with vLLM" if on else "SGLang: `python -m sglang.launch_server --model-path TARGET "
               "--speculative-algorithm EAGLE3 --speculative-draft-model-path THIS_FOLDER`")) if fmt == "eagle3" else (
            f"vLLM: `vllm serve THIS_FOLDER` or `python -m vllm.entrypoints.openai.api_server --model THIS_FOLDER` "
            f"(serves the verifier `{verifier}`; edit `speculators_config.verifier.name_or_path` to move it)\n\n"
-           + ("speculators' own loader was not checked for `fc_norm` drafts" if dc.fc_norm else
-              "speculators: `Eagle3DraftModel.from_pretrained(\"THIS_FOLDER\")`"))
+           + "speculators: `Eagle3DraftModel.from_pretrained(\"THIS_FOLDER\")`")
     return f"""# EAGLE-3 draft for {t.get('name', 'an unrecorded target')}
 
 Written by `eyas export --format {fmt}`. Every key, shape and config field follows the engines' loaders

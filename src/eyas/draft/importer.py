@@ -110,9 +110,13 @@ def foreign_config(raw: dict, layer: dict, target, given: tuple[int, ...], where
     for key, ok in (("num_hidden_layers", 1), ("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         check(layer.get(key, ok) == ok, f"{where}: config field {key!r} is {layer.get(key)!r}",
               f"eyas's draft has {key} = {ok!r}; import a standard one-layer EAGLE-3 draft")
-    for key in VARIANT_FLAGS:
-        check(not raw.get(key, layer.get(key)), f"{where}: {key} = true is an EAGLE-3 variant eyas does not implement",
-              "evaluate this draft in its own engine, or retrain it without the flag")
+    # norm_output in an eagle3-layout config: vLLM's (the next step reads the post-norm state) when eyas wrote it;
+    # SpecForge writes it true meaning only "norm before lm_head", so from elsewhere it is ambiguous
+    check(not raw.get("norm_output") or "speculators_model_type" in raw or "eyas" in raw,
+          f"{where}: norm_output = true in an eagle3-layout config not written by eyas is ambiguous: vLLM reads it as "
+          "'the next draft step reads the post-norm state', SpecForge writes it meaning 'norm before lm_head'",
+          "set norm_output to false if the draft was trained feeding the pre-norm state forward (SpecForge), keep it "
+          "true only if it was trained feeding the post-norm state (then add \"eyas\": {} to config.json)")
     window = raw.get("sliding_window", layer.get("sliding_window"))
     windowed = window is not None and layer.get("use_sliding_window", raw.get("use_sliding_window")) is not False
     check(not windowed, f"{where}: sliding_window = {window!r}: the draft attends to a window of {window} tokens, "
@@ -133,7 +137,7 @@ def foreign_config(raw: dict, layer: dict, target, given: tuple[int, ...], where
                      head_dim=layer.get("head_dim") or H // heads, vocab_size=V,
                      draft_vocab_size=raw.get("draft_vocab_size") or layer.get("draft_vocab_size") or V,
                      target_hidden_size=Ht, feature_layers=tuple(layers), num_layers=1,
-                     fc_norm=bool(raw.get("fc_norm", layer.get("fc_norm", False))),
+                     **{flag: bool(raw.get(flag, layer.get(flag, False))) for flag in VARIANT_FLAGS},
                      rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
                      rope_theta=float(rope.get("rope_theta", layer.get("rope_theta", 10000.0))),
                      max_position_embeddings=int(layer.get("max_position_embeddings", 8192)),

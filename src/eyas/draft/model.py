@@ -1,14 +1,17 @@
 """The EAGLE-3 draft model, in pure PyTorch (no ranks, no I/O: its folder is eyas.draft.checkpoint's).
 
     aux [B,T,3Ht] --fc--> g [B,T,H]          (target's low|mid|high features fused; first step only; with fc_norm
-                                              each of the three is RMS-normalised first, as EAGLE-3.1)
+                                              each of the three is RMS-normalised first, as EAGLE-3.1; with
+                                              norm_before_fc all three together, speculators' default)
     e = embed(token) [B,T,H]                  (frozen target embeddings)
     x = cat(input_layernorm(e), hidden_norm(g)) [B,T,2H]  -> attention (q/k/v in 2H) -> + g (residual)
-      -> post_attention_layernorm -> MLP -> + residual  = h [B,T,H]   (fed forward to the next draft step)
+      -> post_attention_layernorm -> MLP -> + residual  = h [B,T,H]   (fed forward to the next draft step;
+                                                                       with norm_output as norm(h), EAGLE-3.1)
     logits = lm_head(norm(h)) [B,T,Vd]        (draft vocabulary; target id = d + d2t[d])
 
 Parameter names are the Hugging Face Llama ones under `midlayer.` plus `fc`, `norm`, `lm_head`, `d2t`,
-`t2d` (and `fc_norm.{0,1,2}` with fc_norm): the names vLLM's and SGLang's `LlamaForCausalLMEagle3` load. Extra
+`t2d` (and `fc_norm.{0,1,2}` with fc_norm, `input_norm` with norm_before_fc): the names vLLM's and SGLang's
+`LlamaForCausalLMEagle3` load. Extra
 layers (num_layers > 1) are plain Llama layers named `layers.{i}`.
 """
 
@@ -34,6 +37,9 @@ class DraftConfig:
     feature_layers: tuple[int, ...] = (2, 15, 27)  # HF hidden_states indices of the target's low/mid/high features
     num_layers: int = 1
     fc_norm: bool = False  # an RMSNorm on each target feature before fc (EAGLE-3.1; vLLM's `fc_norm`)
+    norm_before_fc: bool = False  # one RMSNorm over the three features together before fc (vLLM's `input_norm`)
+    norm_output: bool = False  # the next draft step reads the post-norm output (EAGLE-3.1; vLLM's `norm_output`)
+    norm_before_residual: bool = False  # the first layer's residual is hidden_norm(g), not g (speculators' default)
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
@@ -45,6 +51,8 @@ class DraftConfig:
                              f"num_key_value_heads {self.num_key_value_heads}")
         if len(self.feature_layers) != 3:
             raise ValueError(f"EAGLE-3 takes exactly 3 feature layers, got {self.feature_layers}")
+        if self.fc_norm and self.norm_before_fc:
+            raise ValueError("fc_norm (a norm per feature) and norm_before_fc (one over all three) exclude each other")
 
     @property
     def target_identity(self) -> dict:
@@ -66,7 +74,8 @@ class DraftConfig:
 
     @classmethod
     def for_target(cls, target, draft_vocab_size: int, feature_layers=None, num_layers: int = 1,
-                   fc_norm: bool = False) -> "DraftConfig":
+                   fc_norm: bool = False, norm_before_fc: bool = False, norm_output: bool = False,
+                   norm_before_residual: bool = False) -> "DraftConfig":
         """The draft shape EAGLE-3 uses: the target's own layer shape."""
         tc = target.text_config
         heads = int(tc.num_attention_heads)
@@ -87,7 +96,8 @@ class DraftConfig:
                    vocab_size=target.vocab_size, draft_vocab_size=draft_vocab_size,
                    target_hidden_size=target.hidden_size,
                    feature_layers=tuple(feature_layers or target.default_feature_layers()), num_layers=num_layers,
-                   fc_norm=fc_norm,
+                   fc_norm=fc_norm, norm_before_fc=norm_before_fc, norm_output=norm_output,
+                   norm_before_residual=norm_before_residual,
                    rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
                    rope_theta=float(theta or getattr(tc, "rope_theta", 10000.0)),
                    max_position_embeddings=int(getattr(tc, "max_position_embeddings", 8192)),
@@ -163,6 +173,7 @@ class DraftLayer(nn.Module):
         super().__init__()
         H = cfg.hidden_size
         self.first = first
+        self.normed_residual = first and cfg.norm_before_residual
         self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         if first:
             self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
@@ -171,9 +182,13 @@ class DraftLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def qkv(self, hidden: torch.Tensor, embeds: torch.Tensor | None, cos, sin):
-        """-> (q, k, v, residual). The residual is the raw (un-normalised) hidden, as in EAGLE-3."""
+        """-> (q, k, v, residual). The residual is the raw (un-normalised) hidden, as in EAGLE-3, or with
+        norm_before_residual the first layer's hidden_norm(hidden)."""
         if self.first:
-            x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)  # [B,T,2H]
+            normed = self.hidden_norm(hidden)
+            x = torch.cat((self.input_layernorm(embeds), normed), dim=-1)  # [B,T,2H]
+            if self.normed_residual:
+                hidden = normed
         else:
             x = self.input_layernorm(hidden)
         q, k, v = self.self_attn.qkv(x, cos, sin)
@@ -245,6 +260,7 @@ class Eagle3Draft(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)  # the target's embeddings, frozen
         self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(3)) \
             if cfg.fc_norm else None
+        self.input_norm = RMSNorm(3 * cfg.target_hidden_size, cfg.rms_norm_eps) if cfg.norm_before_fc else None
         self.fc = nn.Linear(3 * cfg.target_hidden_size, H, bias=False)
         self.midlayer = DraftLayer(cfg, first=True)
         self.layers = nn.ModuleList(DraftLayer(cfg, first=False) for _ in range(cfg.num_layers - 1))
@@ -261,7 +277,14 @@ class Eagle3Draft(nn.Module):
         """aux [B,T,3Ht] (low|mid|high target features) -> [B,T,H]."""
         if self.fc_norm is not None:
             aux = torch.cat([norm(x) for norm, x in zip(self.fc_norm, aux.chunk(3, dim=-1))], dim=-1)
+        if self.input_norm is not None:
+            aux = self.input_norm(aux)
         return self.fc(aux)
+
+    def carry(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A step's output [.., H] (pre-norm) as the next draft step reads it: through the final norm with
+        norm_output (EAGLE-3.1), as it is otherwise."""
+        return self.norm(hidden) if self.cfg.norm_output else hidden
 
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype):
         return rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, dtype)
@@ -283,13 +306,16 @@ class Eagle3Draft(nn.Module):
         """One draft pass over T new positions.
 
         input_ids [B,T] tokens whose embeddings pair with `hidden`; hidden [B,T,3Ht] (target features, fused
-        here by fc) or [B,T,H] (the draft's own previous output); position_ids [B,T]; cache: the keys and values
+        here by fc) or [B,T,H] (the draft's own previous output, pre-norm: `carry` decides what the step reads);
+        position_ids [B,T]; cache: the keys and values
         of S earlier positions, or None; mask bool [B|1,1,T,S+T] (True = may attend), default: all of the cache
         plus causal among the new positions. Returns (h [B,T,H] pre-norm output, the cache of S+T positions).
         The new positions are written in place into the cache's buffers; `cache` itself still holds S.
         """
         if hidden.shape[-1] == 3 * self.cfg.target_hidden_size:  # target features: fuse (3Ht != H always)
             hidden = self.fuse(hidden)
+        else:  # the draft's own previous output
+            hidden = self.carry(hidden)
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rope(position_ids, hidden.dtype)
         S, T = (cache.length if cache is not None else 0), input_ids.shape[1]

@@ -143,6 +143,7 @@ def _unroll(model: Eagle3Draft, input_ids, aux, position_ids, attends: list):
         for li, layer in enumerate(layers):
             hidden = layer(hidden, embeds, cos, sin, _keeping(keys[li], values[li], attend))
         yield hidden
+        hidden = model.carry(hidden)  # what the next step reads (post-norm with norm_output)
 
 
 def _keeping(keys: list, values: list, attend):

@@ -15,8 +15,8 @@ def _serve(exports: list[tuple[str, Doc]]) -> str:
     lines = []
     for _, m in exports:
         fmt, out = m.get("summary", "format"), m.get("summary", "out")
-        if fmt == "eagle3" and m.get("summary", "fc_norm"):
-            lines += ["# vLLM, given the target model (TARGET); SGLang was not checked for fc_norm drafts",
+        if fmt == "eagle3" and (m.get("summary", "variants") or m.get("summary", "fc_norm")):
+            lines += ["# vLLM, given the target model (TARGET); SGLang was not checked for EAGLE-3.1 variants",
                       f"vllm serve TARGET --speculative-config '{{\"method\": \"eagle3\", \"model\": \"{out}\"}}'"]
         elif fmt == "eagle3":
             lines += ["# SGLang or vLLM, given the target model (TARGET)",

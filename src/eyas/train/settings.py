@@ -55,6 +55,12 @@ class TrainConfig(StageConfig):
                                         "random weights (its q/k/v on the hidden half of the input)")
     fc_norm: bool = opt(False, "RMS-normalise each of the three target features before the draft's fc layer "
                                "(EAGLE-3.1; exported as vLLM's fc_norm)")
+    norm_before_fc: bool = opt(False, "one RMSNorm over the three target features together before fc (speculators' "
+                                      "EAGLE-3.1 default; excludes --fc-norm; exported as vLLM's input_norm)")
+    norm_before_residual: bool = opt(False, "the first layer's residual is the normalised fused features, not the raw "
+                                            "ones (speculators' default; exported as norm_before_residual)")
+    norm_output: bool = opt(False, "each TTT step (and each decoding step) reads the previous step's output after "
+                                   "the final norm (EAGLE-3.1; exported as vLLM's norm_output)")
     feature_noise: float = opt(0.0, "add Gaussian noise of this standard deviation to the target's features the "
                                     "draft reads, in training only (speculators uses 0.05; 0 = off)")
     dtype: Dtype = dtype_opt("training's compute (bf16: autocast over fp32 weights; fp16 is refused)")
@@ -100,6 +106,9 @@ class TrainConfig(StageConfig):
         check(0 < self.step_decay <= 1, f"train: --step-decay {self.step_decay} outside (0, 1]", "EAGLE-3 uses 0.8")
         check(self.feature_noise >= 0, f"train: --feature-noise {self.feature_noise} is negative",
               "give 0 (off) or a standard deviation such as 0.05")
+        check(not (self.fc_norm and self.norm_before_fc), "train: --fc-norm and --norm-before-fc exclude each other",
+              "pick one: --fc-norm normalises each feature (the EAGLE-3.1 paper), --norm-before-fc all three together "
+              "(speculators' default)")
         check(self.grad_clip >= 0, f"train: --grad-clip {self.grad_clip} is negative", "give 0 (off) or e.g. 0.5")
         check(not self.online or bool(self.data), "train: --online needs the prepared dataset (--data DIR)",
               "pass --data DIR, the folder eyas prepare wrote")

@@ -112,7 +112,8 @@ def setup(cfg, env, con) -> TrainParts:
         con.print(trusted_code_line(cfg.target))
     target, layer_ids = load_checked_target(cfg, env, dtype, (train_src, val_src))
     vocab_info, d2t = draft_vocab(cfg, env, target, train_src, ckpt)
-    draft_cfg = DraftConfig.for_target(target, int(d2t.numel()), layer_ids, cfg.num_layers, cfg.fc_norm)
+    draft_cfg = DraftConfig.for_target(target, int(d2t.numel()), layer_ids, cfg.num_layers, cfg.fc_norm,
+                                       cfg.norm_before_fc, cfg.norm_output, cfg.norm_before_residual)
     draft, head_rows = build_draft(cfg, env, dtype, target, draft_cfg, d2t, ckpt)
     path, compiled, path_line = choose_path(env.device, cfg.compile, env.distributed and cfg.parallel == "fsdp")
     con.print(path_line)
