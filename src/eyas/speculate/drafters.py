@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -29,9 +28,6 @@ import torch
 from eyas.speculate.controller import Controller, chain_yield, decayed_counts, union_yield
 from eyas.speculate.decode import Proposal, Round
 from eyas.speculate.target_forward import sync
-
-if TYPE_CHECKING:
-    from eyas.speculate.suffix import SuffixDrafter
 
 
 class Drafter:
@@ -265,8 +261,9 @@ class HybridDrafter(Drafter):
         the draft's chain of k tokens   sum_{i=0..k} a_e^i                         t(k+1) + k t_step
         both, as two branches of a tree 1 + sum_i [1 - (1 - a_e^i)(1 - a_n^i)]     t(k+m+1) + k t_step
 
-    The partner may also be suffix drafting (eyas.speculate.suffix: its most likely chain, n its match length capped
-    at 3), which plays prompt lookup's part below under its own name.
+    The partner (`lookup`: a drafter with `name`, `k`, `ngram` and `match(seq, k) -> (tokens, n)`) is prompt lookup
+    or suffix decoding (eyas.speculate.suffix: its most likely chain, n its match length capped at 3), which plays
+    prompt lookup's part below under its own name.
     a_n is prompt lookup's acceptance rate after a match of the last n tokens (a 3-token match predicts the next
     tokens better than a 1-token one), a_e the draft's: accepted / (accepted + rejections) over the rounds that
     option was verified, decayed by `decay` per such round, from a prior of one each. "Both" (`union`) verifies the
@@ -283,7 +280,7 @@ class HybridDrafter(Drafter):
 
     name = "hybrid"
 
-    def __init__(self, eagle: "Eagle3Drafter", lookup: "PromptLookupDrafter | SuffixDrafter", decay: float = 0.9,
+    def __init__(self, eagle: "Eagle3Drafter", lookup: Drafter, decay: float = 0.9,
                  controller: "Controller | None" = None, union: bool = False):
         self.k = max(eagle.k, lookup.k)  # no Drafter.__init__: the time and calls are the draft model's own
         self.eagle, self.lookup, self.decay, self.controller = eagle, lookup, decay, controller
