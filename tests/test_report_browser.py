@@ -165,7 +165,7 @@ def test_report_renders_in_chromium_without_errors_and_with_drawn_plots(browser,
     browser.open(path.resolve().as_uri())
     info = json.loads(browser.evaluate(PROBE))
     assert browser.errors() == []
-    assert info["plots"] == 11 and info["drawn"] == 11 and info["broken_images"] == 0
+    assert info["plots"] == 12 and info["drawn"] == 12 and info["broken_images"] == 0  # 12: expected tau per pass
     assert info["sections"] == {s: "ok" for s in ("pipeline", "data", "plan", "training", "evaluation", "samples",
                                                   "export")}
     assert info["scroll_width"] <= 1280 and info["overflowing"] == 0  # nothing wider than the window, no side-scroll
