@@ -461,6 +461,23 @@ def test_suffix_drafting_learns_from_the_runs_earlier_replies():
     assert d.propose([50, 7, 8], 0.0, None, None).tokens.tolist() == [9, 10]
 
 
+def test_the_hybrid_starts_its_partner_at_every_request():
+    """A new request restarts suffix decoding's request trie inside the hybrid too, and the earlier reply joins its
+    run-wide trie (the hybrid used to start only the draft, so its partner read the next prompt as a continuation)."""
+
+    class Draft:  # the hybrid's draft side, of which only start() is used here
+        k, forward_time, forward_calls = 3, 0.0, 0
+
+        def start(self, seq, feats):
+            pass
+
+    hybrid = HybridDrafter(Draft(), SuffixDrafter(k=8))
+    hybrid.start([40, 41, 7], None)
+    hybrid.lookup.match([40, 41, 7, 8, 9, 10, 11], 8)
+    hybrid.start([50, 7, 8], None)
+    assert hybrid.lookup.match([50, 7, 8], 8) == ([9, 10], 2)
+
+
 def test_controller_picks_plain_for_a_poor_draft_and_long_chains_for_a_good_one():
     from eyas.speculate.decode import Round
 

@@ -351,7 +351,7 @@ class LogParser:
             return False
         self._format("DeepSpeed", lineno)
         if int(m.group(2)) > 0:
-            self._add(Step(lineno, "DeepSpeed", step=int(m.group(2)), rank=rank if rank is not None else None,
+            self._add(Step(lineno, "DeepSpeed", step=int(m.group(2)), rank=rank,
                            lr=_float(m.group(4)), time=own_time, key=hash(seg[m.start():].strip())))
         return True
 

@@ -148,22 +148,14 @@ def _target(target, u):
 
 def _soft_rows(z, p, top, local, chunk: int, kind: str = "ce"):
     """Loss [R] and hit [R] of a block's logits z [R,Vd], whose row r has the target row local[r] of p [U,Vd];
-    z becomes dz in place (softmax(z) - p for the soft cross-entropy; eyas.draft.losses for the others). Float32
-    over row chunks small enough to stay in cache."""
+    z becomes dz in place (eyas.draft.losses: softmax(z) - p for the soft cross-entropy). Float32 over row chunks
+    small enough to stay in cache."""
     R = z.shape[0]
     loss = torch.empty(R, dtype=torch.float32, device=z.device)
     hit = torch.empty(R, dtype=torch.bool, device=z.device)
     for s in range(0, R, chunk):
         zf = z[s:s + chunk].float()  # [c,Vd] (z itself when float32: it is overwritten below anyway)
-        if kind != "ce":
-            hit[s:s + chunk] = zf.argmax(-1) == top[local[s:s + chunk]]
-            loss[s:s + chunk], z[s:s + chunk] = row_losses(kind, zf, p[local[s:s + chunk]])
-            continue
-        m, draft_top = zf.max(-1)
-        e = zf.sub_(m[:, None]).exp()  # exp(z - m)
-        total = e.sum(-1)
-        pc = p[local[s:s + chunk]]  # [c,Vd]
-        loss[s:s + chunk] = total.log() - (pc * zf).sum(-1)  # lse(z) - p.z; shift-invariant as sum p = 1
-        hit[s:s + chunk] = draft_top == top[local[s:s + chunk]]
-        z[s:s + chunk] = e.mul_(total.reciprocal()[:, None]).sub_(pc)  # softmax(z) - p
+        at = local[s:s + chunk]
+        loss[s:s + chunk], z[s:s + chunk], draft_top = row_losses(kind, zf, p[at])
+        hit[s:s + chunk] = draft_top == top[at]
     return loss, hit

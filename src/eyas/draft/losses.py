@@ -25,30 +25,31 @@ LK_ETA = 3.0  # the hybrid's eta: the paper's best setting, speculators' default
 NLA_FLOOR = 1e-5
 
 
-def row_losses(kind: str, z: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss [c] float32, dz [c,Vd] float32) of logits z [c,Vd] (float32, overwritten: the caller's scratch) against
-    target probabilities p [c,Vd] (float32, rows summing to 1)."""
-    m = z.max(-1, keepdim=True).values
+def row_losses(kind: str, z: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss [c] float32, dz [c,Vd] float32, the draft's top-1 [c]) of logits z [c,Vd] (float32, overwritten: the
+    caller's scratch) against target probabilities p [c,Vd] (float32, rows summing to 1)."""
+    m, top = z.max(-1, keepdim=True)
     z.sub_(m)  # shift-invariant: every loss below is a function of softmax(z), and ce's p.z of sum p = 1
     e = z.exp()
     total = e.sum(-1, keepdim=True)
     ce = total.squeeze(-1).log() - (p * z).sum(-1)  # lse(z) - p.z
-    q = e.div_(total)
+    q = e.mul_(total.reciprocal())
+    top = top.squeeze(-1)
     if kind == "ce":
-        return ce, q.sub_(p)
+        return ce, q.sub_(p), top
     below = q <= p
     alpha = torch.minimum(p, q).sum(-1)
     dalpha = q * (below.float() - (q * below).sum(-1, keepdim=True))  # d alpha / dz
     if kind == "tv":
-        return 1.0 - alpha, dalpha.neg_()
+        return 1.0 - alpha, dalpha.neg_(), top
     if kind == "nla":
         floor = alpha.clamp_min(NLA_FLOOR)
-        return -floor.log(), dalpha.div_(floor[:, None]).neg_()
+        return -floor.log(), dalpha.div_(floor[:, None]).neg_(), top
     if kind == "lk-hybrid":
         lam = torch.exp(-LK_ETA * alpha)[:, None]  # held constant (a stop-gradient)
         kl = ce + torch.xlogy(p, p).sum(-1)  # KL(p||q) = CE - H(p)
         loss = lam[:, 0] * kl + (1.0 - lam[:, 0]) * (1.0 - alpha)
-        return loss, (q - p).mul_(lam).sub_(dalpha.mul_(1.0 - lam))
+        return loss, (q - p).mul_(lam).sub_(dalpha.mul_(1.0 - lam)), top
     raise ValueError(f"unknown draft loss {kind!r}: one of {', '.join(LOSSES)}")
 
 

@@ -95,9 +95,8 @@ def _blocks(h, W, weight, target, dt, block: int, want_dh: bool, want_dW: bool, 
             p = (t - t.logsumexp(-1, keepdim=True)).exp_()  # [n+k-1, Vd] float32 (t may be the table itself)
             for i in range(k):
                 z = (hc[i, r, a:b] @ Wc.T).float()  # [n, Vd]
-                pi = p[i:i + n]
-                hit[i, r, a:b] = z.argmax(-1) == top[i:i + n]
-                loss[i, r, a:b], dz = row_losses(kind, z, pi)  # ce: lse(z) - p.z, softmax(z) - p
+                loss[i, r, a:b], dz, draft_top = row_losses(kind, z, p[i:i + n])  # ce: lse(z) - p.z, q - p
+                hit[i, r, a:b] = draft_top == top[i:i + n]
                 dz = dz.to(Wc.dtype)
                 if want_dh:
                     dh[i, r, a:b] = (dz @ Wc).to(h.dtype)

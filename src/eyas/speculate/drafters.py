@@ -308,6 +308,7 @@ class HybridDrafter(Drafter):
 
     def start(self, seq, feats) -> None:
         self.eagle.start(seq, feats)
+        self.lookup.start(seq, feats)  # a new request: suffix decoding starts its request's trie
         self.last = None
 
     def update(self, seq, feats) -> None:
