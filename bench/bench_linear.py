@@ -1,6 +1,7 @@
-"""The lean runner's projections by F.linear against few_rows_linear ((W @ x.T).T), side by side on a real target:
-t(q) for each, measured in alternation, and plain greedy decoding on the same prompts with each, outputs compared
-token for token. What `eyas evaluate --projections auto` decides by a shorter measurement of its own.
+"""The lean runner's projections by F.linear against few_rows_linear ((W @ x.T).T, float32) and oneDNN over packed
+weights (where this machine has it), side by side on a real target: t(q) for each, measured in alternation, and
+plain greedy decoding on the same prompts with each, outputs compared token for token with F.linear's. What
+`eyas evaluate --projections auto` decides by a shorter measurement of its own.
 
     python bench/bench_linear.py --bench gsm8k --prompts 6 --new 64
 
@@ -49,45 +50,52 @@ def main() -> None:
 
     from eyas.core.target import load_target
     from eyas.data.chat import ChatRenderer
+    from eyas.models.llama import packing_unsupported
     from eyas.speculate.decode import plain_generate
     from eyas.speculate.evaluate import load_bench, stop_ids
-    from eyas.speculate.target_forward import LeanRunner, measure_latency
+    from eyas.speculate.target_forward import LeanRunner, Projections, measure_latency
 
     print(f"{cpu_name()}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f} before")
     target = load_target(a.target, dtype=a.torch_dtype)
     runner = LeanRunner(target, target.default_feature_layers())
-    sides = ("torch", "few-rows")
+    sides = ["torch"] + (["few-rows"] if target.dtype == torch.float32 else [])
+    why = packing_unsupported(target.dtype, runner.device)
+    sides += [] if why else ["packed"]
+    ways = {s: Projections.of(s) for s in sides}  # packed once
     qs = (1, 2, 3, 4, 5, 8, 16)
     lat = {s: {q: [] for q in qs} for s in sides}
     for r in range(a.rounds):
         for s in (sides if r % 2 == 0 else sides[::-1]):
-            runner.choose_linear(s)
+            runner.use_projections(ways[s])
             for q, t in measure_latency(runner, qs, reps=5).items():
                 lat[s][q].append(t)
     renderer = ChatRenderer(target.tokenizer)
     stop = stop_ids(target, renderer)
     tally = {s: [0, 0.0] for s in sides}
-    same = 0
+    same = {s: 0 for s in sides}
     items = load_bench(a.bench, a.prompts)
     for i, item in enumerate(items):
         prompt = renderer.prompt_ids([{"role": "user", "content": item.turns[0]}])
         out = {}
         for s in (sides if i % 2 == 0 else sides[::-1]):
-            runner.choose_linear(s)
+            runner.use_projections(ways[s])
             g = plain_generate(runner, prompt, a.new, stop=stop)
             tally[s][0] += len(g.tokens)
             tally[s][1] += g.decode_s
             out[s] = g.tokens
-        same += out["torch"] == out["few-rows"]
-    print(f"{target.name} {a.torch_dtype}; t(q) ms, the median of {a.rounds} rounds of 5 alternated")
-    print(f"{'q':>3} {'F.linear':>9} {'few-rows':>9} {'ratio':>6}")
+        for s in sides:
+            same[s] += out[s] == out["torch"]
+    print(f"{target.name} {a.torch_dtype}; t(q) ms, the median of {a.rounds} rounds of 5 alternated"
+          + (f" (no packed side: {why})" if why else ""))
+    print(f"{'q':>3} {'F.linear':>9}" + "".join(f" {s:>9} {'ratio':>6}" for s in sides[1:]))
+    med = {s: {q: sorted(lat[s][q])[len(lat[s][q]) // 2] * 1e3 for q in qs} for s in sides}
     for q in qs:
-        t0, t1 = (sorted(lat[s][q])[len(lat[s][q]) // 2] * 1e3 for s in sides)
-        print(f"{q:>3} {t0:>9.1f} {t1:>9.1f} {t0 / t1:>5.2f}x")
+        print(f"{q:>3} {med['torch'][q]:>9.1f}"
+              + "".join(f" {med[s][q]:>9.1f} {med['torch'][q] / med[s][q]:>5.2f}x" for s in sides[1:]))
     tps = {s: tally[s][0] / tally[s][1] for s in sides}
     print(f"plain greedy, {len(items)} {a.bench} prompts x {a.new} tokens at most: F.linear {tps['torch']:.1f} "
-          f"tokens/s, few-rows {tps['few-rows']:.1f} ({tps['few-rows'] / tps['torch']:.2f}x); the same tokens on "
-          f"{same} of {len(items)} prompts")
+          "tokens/s" + "".join(f", {s} {tps[s]:.1f} ({tps[s] / tps['torch']:.2f}x; the same tokens as F.linear on "
+                               f"{same[s]} of {len(items)} prompts)" for s in sides[1:]))
     print(f"load {os.getloadavg()[0]:.2f} after; {time.strftime('%Y-%m-%d %H:%M')}")
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from eyas.core.errors import EyasError
+from eyas.models.llama import packing_unsupported
 from eyas.speculate.controller import Controller, chain_yield, union_yield
 from eyas.speculate.decode import (
     Proposal,
@@ -30,7 +31,15 @@ from eyas.speculate.drafters import (
 )
 from eyas.speculate.quantize import quantize_int8
 from eyas.speculate.suffix import SuffixDrafter, SuffixTrie
-from eyas.speculate.target_forward import HFRunner, LeanRunner, attention_mask, effective_latency, verify_widths
+from eyas.speculate.target_forward import (
+    HFRunner,
+    LeanRunner,
+    Projections,
+    attention_mask,
+    effective_latency,
+    plan_from_times,
+    verify_widths,
+)
 from tests.speculate_helpers import random_prompts, trained_draft, untrained_draft
 
 NEW = 32
@@ -77,7 +86,17 @@ def few_rows_runner(target, layers):
     return LeanRunner(target, layers, linear="few-rows")
 
 
-@pytest.mark.parametrize("impl", [LeanRunner, HFRunner, few_rows_runner])
+PACKING = packing_unsupported(torch.float32, "cpu")
+
+
+def packed_runner(target, layers):
+    """Packed products from 3 rows on (a prefill, a tree), F.linear below: both kinds in one forward's history."""
+    if PACKING:
+        pytest.skip(PACKING)
+    return LeanRunner(target, layers, linear=((1, "torch"), (3, "packed")))
+
+
+@pytest.mark.parametrize("impl", [LeanRunner, HFRunner, few_rows_runner, packed_runner])
 def test_runner_tree_forward_equals_plain_forward_of_each_path(tiny_target, impl):
     """Every node's logits and features equal transformers' plain forward over prefix + the node's path."""
     model, g = tiny_target.model, torch.Generator().manual_seed(1)
@@ -117,7 +136,7 @@ def test_runner_commit_keeps_the_accepted_path_only(tiny_target, impl):
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("impl", [LeanRunner, HFRunner, few_rows_runner])
+@pytest.mark.parametrize("impl", [LeanRunner, HFRunner, few_rows_runner, packed_runner])
 def test_plain_generate_equals_transformers_generate(tiny_target, refs, impl):
     runner = impl(tiny_target, tiny_target.default_feature_layers())
     for prompt, ref in refs:
@@ -768,37 +787,106 @@ def test_few_rows_linear_is_the_same_product_as_f_linear(rows):
                 assert torch.equal(got, want)
 
 
-def test_the_runner_chooses_its_projections_by_measuring_only_float32_on_a_cpu(tiny_target, monkeypatch):
+@pytest.mark.skipif(bool(PACKING), reason=PACKING or "")
+@pytest.mark.parametrize("rows", [1, 3, 4, 16, 40])
+def test_packed_linear_is_the_same_product_as_f_linear(rows):
+    """oneDNN over a weight packed once: F.linear's numbers up to the order of the sums, any leading shape and
+    layout, with or without a bias, in float32 and (where the CPU has it) bfloat16."""
+    import torch.nn.functional as F
+
+    from eyas.models.llama import pack_weight, packed_linear
+
+    g = torch.Generator().manual_seed(rows)
+    for dtype in (torch.float32, torch.bfloat16):
+        if packing_unsupported(dtype, "cpu"):
+            continue
+        w, b = torch.randn(96, 40, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
+        packed = pack_weight(w)
+        tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 5e-2}
+        for x in (torch.randn(1, rows, 40, generator=g), torch.randn(40, rows, generator=g).T):
+            x = x.to(dtype)
+            for bias in (None, b):
+                got, want = packed_linear(x, packed, bias), F.linear(x, w, bias)
+                assert got.shape == want.shape == (*x.shape[:-1], 96) and got.dtype == dtype
+                torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+def test_a_projection_plan_picks_its_kind_by_rows_and_says_so():
+    p = Projections(((1, "torch"), (4, "packed"), (16, "few-rows")))
+    assert [p.kind(m) for m in (1, 3, 4, 15, 16, 300)] == ["torch", "torch", "packed", "packed", "few-rows",
+                                                           "few-rows"]
+    assert p.describe() == "1-3 rows torch, 4-15 rows packed, 16+ rows few-rows"
+    assert Projections(((1, "few-rows"), (2, "torch"), (3, "packed"))).describe() == (
+        "1 row few-rows, 2 rows torch, 3+ rows packed")
+    assert Projections.of("packed").plan == ((1, "packed"),) and Projections.of("torch").describe() == "torch"
+    for bad in ((), ((2, "torch"),), ((1, "fast"),)):
+        with pytest.raises(ValueError, match="a projection plan starts at one row"):
+            Projections(bad)
+
+
+def test_auto_keeps_a_kind_only_where_it_is_a_margin_faster_than_f_linear():
+    ms = {"torch": {1: 36, 2: 37, 4: 55, 8: 70, 16: 79}, "few-rows": {1: 77, 2: 79, 4: 79, 8: 80, 16: 82},
+          "packed": {1: 44, 2: 45, 4: 48, 8: 56, 16: 69}}  # bench_linear.py's figures, Xeon with AMX, float32
+    assert plan_from_times(ms) == ((1, "torch"), (4, "packed"))
+    ms["packed"][16] = 75  # 5% faster at 16 rows: within the margin, F.linear again
+    assert plan_from_times(ms) == ((1, "torch"), (4, "packed"), (16, "torch"))
+    ms["few-rows"].update({1: 20, 2: 21})  # the fastest kind wins where several clear the margin
+    assert plan_from_times(ms) == ((1, "few-rows"), (4, "packed"), (16, "torch"))
+
+
+def test_the_runner_chooses_its_projections_by_measuring_on_a_cpu(tiny_target, monkeypatch):
     from eyas.speculate import target_forward as runner_mod
 
     runner = LeanRunner(tiny_target, tiny_target.default_feature_layers(), linear="few-rows")
-    assert runner.linear_kind == "few-rows" and runner.linear_choice == "few-rows (as asked)"
+    assert runner.projections.plan == ((1, "few-rows"),) and runner.linear_choice == "few-rows (as asked)"
     with pytest.raises(EyasError, match="projections 'few_rows' unknown"):
         runner.choose_linear("few_rows")
     said = runner.choose_linear("auto")
-    assert runner.linear_kind in ("torch", "few-rows") and said.startswith(runner.linear_kind + " (measured: ")
+    assert said.startswith(runner.projections.describe() + " (measured, rows: ms by torch/few-rows")
     assert runner.length == 0 and runner.pending == 0  # measuring leaves an empty cache
-    ticks = iter(range(10_000))  # a clock under which few_rows_linear's forwards take half the time
-    monkeypatch.setattr(runner_mod.time, "perf_counter",
-                        lambda: next(ticks) * (0.5 if runner.linear_kind == "few-rows" else 1.0))
+
+    now, forward = [0.0], runner._forward
+    speed = [None]  # speed(kind, rows): the time a forward over that many rows by that kind takes
+
+    def timed_forward(ids, *args):  # under the measurement each kind is a one-entry plan
+        now[0] += speed[0](runner.projections.plan[0][1], ids.shape[0])
+        return forward(ids, *args)
+
+    def clock(how):
+        speed[0] = how
+        return lambda: now[0]
+
+    monkeypatch.setattr(runner, "_forward", timed_forward)
+    monkeypatch.setattr(runner_mod.time, "perf_counter", clock(lambda k, m: 0.5 if k == "few-rows" else 1.0))
     assert runner.choose_linear("auto").startswith("few-rows (measured")
-    monkeypatch.setattr(runner_mod.time, "perf_counter",
-                        lambda: next(ticks) * (0.95 if runner.linear_kind == "few-rows" else 1.0))
+    monkeypatch.setattr(runner_mod.time, "perf_counter", clock(lambda k, m: 0.95 if k == "few-rows" else 1.0))
     assert runner.choose_linear("auto").startswith("torch (measured")  # within LINEAR_MARGIN: F.linear stays
+    if not PACKING:  # packed products a third faster from 4 rows on
+        monkeypatch.setattr(runner_mod.time, "perf_counter",
+                            clock(lambda k, m: 0.66 if k == "packed" and m >= 4 else 1.0))
+        assert runner.choose_linear("auto").startswith("1-3 rows torch, 4+ rows packed (measured")
+        assert runner.projections.packed  # the forward's weights, packed once
+    monkeypatch.undo()
     bf16 = dataclasses.replace(tiny_target, model=copy.deepcopy(tiny_target.model).to(torch.bfloat16))
-    assert LeanRunner(bf16, bf16.default_feature_layers(), linear="auto").linear_choice.startswith(
-        "torch (not float32 on a CPU")
+    said = LeanRunner(bf16, bf16.default_feature_layers(), linear="auto").linear_choice
+    assert "few-rows" not in said  # few_rows_linear is a float32 remedy; bf16 weighs F.linear and packed only
+    assert said.split(" (measured, rows: ms by ")[1].startswith(
+        "torch: " if packing_unsupported(torch.bfloat16, "cpu") else "torch/packed: ")
 
 
-def test_a_few_rows_draft_proposes_what_the_draft_proposes(tiny_target, refs):
-    """evaluate runs the drafts' linears as few_rows_linear where the runner chose it: the same weights, the same
+@pytest.mark.parametrize("how", ["few-rows", "packed"])
+def test_a_projected_draft_proposes_what_the_draft_proposes(tiny_target, refs, how):
+    """evaluate runs the drafts' linears as the runner computes its projections: the same weights, the same
     proposals here (the tiny draft has no near-ties), and the target's greedy output either way."""
-    from eyas.speculate.quantize import FewRowsLinear, few_rows_draft
+    from eyas.speculate.quantize import ProjectedLinear, projected_draft
 
+    if how == "packed" and PACKING:
+        pytest.skip(PACKING)
     draft = trained_draft(tiny_target)
-    fast = few_rows_draft(draft)
+    runner = LeanRunner(tiny_target, tiny_target.default_feature_layers(), linear=how)
+    fast = projected_draft(draft, runner.projections)
     assert not any(isinstance(m, torch.nn.Linear) for m in fast.modules())
-    assert sum(isinstance(m, FewRowsLinear) for m in fast.modules()) == sum(
+    assert sum(isinstance(m, ProjectedLinear) for m in fast.modules()) == sum(
         isinstance(m, torch.nn.Linear) for m in draft.modules())
     assert torch.equal(fast.lm_head.weight, draft.lm_head.weight) and any(isinstance(m, torch.nn.Linear)
                                                                           for m in draft.modules())  # a copy
@@ -806,9 +894,8 @@ def test_a_few_rows_draft_proposes_what_the_draft_proposes(tiny_target, refs):
     torch.testing.assert_close(fast.logits(h), draft.logits(h), rtol=1e-5, atol=1e-5)
     for prompt, ref in refs[:3]:
         rounds = {}
-        for name, d in (("draft", draft), ("few-rows", fast)):
-            runner = LeanRunner(tiny_target, tiny_target.default_feature_layers(), linear="few-rows")
+        for name, d in (("draft", draft), (how, fast)):
             g = speculative_generate(runner, Eagle3Drafter(d, k=4), prompt, NEW)
             assert g.tokens == ref
             rounds[name] = [r.accepted for r in g.rounds]
-        assert rounds["draft"] == rounds["few-rows"]
+        assert rounds["draft"] == rounds[how]

@@ -47,6 +47,36 @@ def few_rows_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = N
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
+PACK_ROWS = 16  # the row count oneDNN's packed layout is chosen for (any count computes; few rows measured alike)
+
+
+def packing_unsupported(dtype: torch.dtype, device) -> str:
+    """'' where oneDNN can pack a linear weight of `dtype` on `device` for `packed_linear`, else why not."""
+    if torch.device(device).type != "cpu":
+        return "oneDNN packing is a CPU path"
+    if not torch.backends.mkldnn.is_available():
+        return "this torch build has no oneDNN (mkldnn)"
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "this CPU has no bf16 oneDNN kernels"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"oneDNN packing here is for float32 and bfloat16, not {dtype}"
+    return ""
+
+
+def pack_weight(w: torch.Tensor) -> torch.Tensor:
+    """w [N,K] copied once into oneDNN's blocked layout for `packed_linear` (the layout torch's own CPU compiler
+    packs a frozen linear weight into; vLLM's CPU backend keeps its linear weights prepacked for oneDNN too)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T (+ b) by oneDNN over `pack_weight(w)`: the product F.linear computes, up to the order of the sums.
+    F.linear hands the weight to the BLAS in its plain layout at every call; over a few rows that streamed
+    SmolLM2-135M's weights 1.5x slower in bf16 (every row count) and float32 (4 rows or more) on an Intel Xeon with
+    AMX (bench/bench_linear.py, docs/evaluate.md). Any leading shape."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding, the rotate-half convention of transformers' Llama."""
     half = x.shape[-1] // 2
@@ -62,7 +92,7 @@ def layer_forward(layer, weights: tuple, heads: tuple[int, int, int], x: torch.T
     cache (row, column) of each of x's B*q positions in order (two [B*q] tensors: `attend` gets the whole cache
     and picks and masks its columns itself).
     `weights` = (fused [q|k|v], its bias or None, fused [gate|up]) from fuse_projections; heads = (nh, nkv, hd);
-    `linear(x, w, b)` computes every projection (F.linear, or few_rows_linear)."""
+    `linear(x, w, b)` computes every projection (F.linear, or the runner's Projections)."""
     wqkv, bqkv, wgu = weights
     nh, nkv, hd = heads
     B, q, _ = x.shape

@@ -42,7 +42,7 @@ from eyas.speculate.decode import (
     speculative_generate,
 )
 from eyas.speculate.drafters import Eagle3Drafter, HybridDrafter, OracleDrafter, PromptLookupDrafter, TreeShape
-from eyas.speculate.quantize import few_rows_draft, quantize_int8
+from eyas.speculate.quantize import projected_draft, quantize_int8
 from eyas.speculate.suffix import SuffixDrafter
 from eyas.speculate.target_forward import (
     LeanRunner,
@@ -94,10 +94,11 @@ class EvalConfig(StageConfig):
                            "is then not the exported draft's; outputs stay exact)", choices=("none", "int8"))
     runner: str = opt("auto", "target forward: lean (Llama family), hf (any model), auto",
                       choices=("auto", "lean", "hf"))
-    projections: str = opt("auto", "how the lean runner computes its projections over 1-16 tokens: torch (F.linear), "
-                           "few-rows ((W @ x.T).T: t(1) 1.79x faster on an AVX2 EPYC in float32, docs/evaluate.md), "
-                           "or auto (the faster "
-                           "here, measured)", choices=("auto", "torch", "few-rows"))
+    projections: str = opt("auto", "how the lean runner computes its projections: torch (F.linear), few-rows "
+                           "((W @ x.T).T up to 16 rows: t(1) 1.79x faster on an AVX2 EPYC in float32), packed "
+                           "(oneDNN over weights packed once: 1.5x faster products in bf16 on a Xeon with AMX), or "
+                           "auto (per number of rows the fastest here, measured; docs/evaluate.md)",
+                           choices=("auto", "torch", "few-rows", "packed"))
     latency_prefix: int = opt(300, "prefix length for the latency table t(q)")
     widen: bool = opt(True, "verify q tokens in a wider forward where the measured t(q) says the wider one is "
                       "faster (fp32 on AVX2 CPUs: t(3) > t(4)); the extra rows are fillers, never committed")
@@ -333,8 +334,9 @@ def _run(cfg: EvalConfig) -> dict:
     runner = make_runner(target, draft.cfg.feature_layers, cfg.runner, linear=cfg.projections)
     if isinstance(runner, LeanRunner):
         con.print(f"target projections: {runner.linear_choice}")
-        if runner.linear_kind == "few-rows" and quant == "none":  # the drafts' steps are one row, or a few, too
-            draft, extra = few_rows_draft(draft), {k: few_rows_draft(v) for k, v in extra.items()}
+        if runner.projections.plan != ((1, "torch"),) and quant == "none":  # the drafts' steps are a row or a few
+            p = runner.projections
+            draft, extra = projected_draft(draft, p), {k: projected_draft(v, p) for k, v in extra.items()}
     qs = sorted(set(REPORT_QS) | set(range(1, max(cfg.chain + (cfg.lookup_k,)) + 2)) | {cfg.tree_size + 1})
     con.print(f"measuring target latency t(q) for q = {qs} after {cfg.latency_prefix} tokens ...")
     latency = measure_latency(runner, qs, prefix=cfg.latency_prefix)

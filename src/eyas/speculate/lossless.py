@@ -90,7 +90,8 @@ def rescore(target, records, runner=None) -> None:
                     if runner32 is None:
                         lean = isinstance(runner, LeanRunner)  # the run's kind, and its products' calls
                         runner32 = make_runner(dataclasses.replace(target, model=model), runner.feature_layers,
-                                               "lean" if lean else "hf", linear=runner.linear_kind if lean else "auto")
+                                               "lean" if lean else "hf",
+                                               linear=runner.projections.plan if lean else "auto")
                         runner32.widths = dict(runner.widths)  # and the run's forward shapes
                     r["replay"] = confirm_by_replay(runner32, runner, r, chose)
                 except (RuntimeError, MemoryError) as e:  # the decoding's results stand; the check says it could not

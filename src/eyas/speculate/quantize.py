@@ -1,6 +1,7 @@
 """Weight rewrites of a draft for decoding on a CPU: weight-only int8 linears (`quantize_int8`, `--draft-quant int8`)
-and few-rows linears (`few_rows_draft`, the same weights computed by another BLAS call). Each returns a copy; the
-trained draft is never changed.
+and linears computed as the target's runner computes its projections (`projected_draft`: the same weights, by
+few_rows_linear or oneDNN's packed product where those measured faster). Each returns a copy; the trained draft is
+never changed.
 """
 
 from __future__ import annotations
@@ -8,8 +9,6 @@ from __future__ import annotations
 import copy
 
 import torch
-
-from eyas.models.llama import few_rows_linear
 
 
 class Int8Linear(torch.nn.Module):
@@ -30,16 +29,17 @@ class Int8Linear(torch.nn.Module):
         return torch._weight_int8pack_mm(flat, self.w8, self.scale).reshape(*x.shape[:-1], self.out_features)
 
 
-class FewRowsLinear(torch.nn.Module):
-    """A linear layer computed by eyas.models.llama.few_rows_linear: the same weights and product, another BLAS
-    call, faster for a draft step's one row where the target's runner measured it faster (LeanRunner.choose_linear)."""
+class ProjectedLinear(torch.nn.Module):
+    """A linear layer computed by the target runner's Projections (eyas.speculate.target_forward): the same weights
+    and product, by the kind that measured fastest for its number of rows."""
 
-    def __init__(self, linear: torch.nn.Linear):
+    def __init__(self, linear: torch.nn.Linear, projections):
         super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias
+        self.weight, self.bias, self.projections = linear.weight, linear.bias, projections
+        projections.pack([self.weight])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return few_rows_linear(x, self.weight, self.bias)
+        return self.projections(x, self.weight, self.bias)
 
 
 def _with_linears(draft, make):
@@ -57,6 +57,6 @@ def quantize_int8(draft):
     return _with_linears(draft, Int8Linear)
 
 
-def few_rows_draft(draft):
-    """A copy of the draft whose linear layers run as few_rows_linear (the same weights, to the last bit)."""
-    return _with_linears(draft, FewRowsLinear)
+def projected_draft(draft, projections):
+    """A copy of the draft whose linear layers compute as `projections` does (the same weights, to the last bit)."""
+    return _with_linears(draft, lambda linear: ProjectedLinear(linear, projections))

@@ -25,8 +25,11 @@ against t(8) = 108 ms with F.linear: below 4 rows the fp32 GEMM reads the weight
 q (a GPU; bf16 on a CPU that has it in hardware), nothing is widened; with few_rows_linear that CPU's t(q) is
 far flatter (t(3) 66 ms against t(4) 62: widened only where the measurement says so).
 
-Projections (`LeanRunner.choose_linear`): F.linear, or few_rows_linear ((W @ x.T).T, a single row doubled) where
-it measured faster on this machine: on that EPYC in float32 it made t(1) 36 ms against 65 (docs/evaluate.md).
+Projections (`LeanRunner.choose_linear`, `Projections`): per number of rows, F.linear, few_rows_linear ((W @ x.T).T,
+a single row doubled) or oneDNN over weights packed once (packed_linear), whichever measured faster on this
+machine: on that EPYC in float32 few_rows_linear made t(1) 36 ms against 65; on an Intel Xeon with AMX packed
+weights made every forward's products 1.5x faster in bf16, and those of 4 rows or more in float32
+(docs/evaluate.md).
 """
 
 from __future__ import annotations
@@ -37,10 +40,82 @@ import torch
 import torch.nn.functional as F
 
 from eyas.core.errors import EyasError
-from eyas.models.llama import FEW_ROWS, few_rows_linear, fuse_projections, layer_forward, supports
+from eyas.models.llama import (
+    FEW_ROWS,
+    few_rows_linear,
+    fuse_projections,
+    layer_forward,
+    pack_weight,
+    packed_linear,
+    packing_unsupported,
+    supports,
+)
 
 LINEARS = {"torch": F.linear, "few-rows": few_rows_linear}
-LINEAR_MARGIN = 0.1  # few_rows_linear is chosen only when it measured at least this much faster
+KINDS = ("torch", "few-rows", "packed")  # how a projection may be computed (Projections)
+LINEAR_MARGIN = 0.1  # another way than F.linear is chosen only where it measured at least this much faster
+MEASURED_ROWS = (1, 2, 4, 8, FEW_ROWS)  # the row counts `auto` times a forward at
+
+
+class Projections:
+    """x @ w.T (+ b) as the lean runner computes it, by the number of rows: `plan` = ((from_rows, kind), ...) in
+    increasing from_rows, the first from 1; a call over m rows takes the kind of the last entry with from_rows <= m.
+    Kinds: torch (F.linear), few-rows (few_rows_linear) and packed (packed_linear over `pack_weight` copies, made
+    once per weight by `pack`). The same weights and the same product by every kind, to the order of the sums."""
+
+    def __init__(self, plan: tuple[tuple[int, str], ...]):
+        if not plan or plan[0][0] != 1 or any(k not in KINDS for _, k in plan):
+            raise ValueError(f"a projection plan starts at one row and names kinds of {KINDS}: {plan}")
+        self.plan = tuple((int(r), k) for r, k in plan)
+        # weight's data_ptr -> (the weight, its packed copy): holding the weight keeps its address from being reused
+        self.packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @classmethod
+    def of(cls, how: "str | tuple") -> "Projections":
+        return cls(((1, how),) if isinstance(how, str) else how)
+
+    def kind(self, rows: int) -> str:
+        return next(k for r, k in reversed(self.plan) if r <= rows)
+
+    def uses(self, kind: str) -> bool:
+        return any(k == kind for _, k in self.plan)
+
+    def pack(self, weights) -> None:
+        """Pack `weights` (each once; the tied head and embedding are one) where the plan uses packed products."""
+        if self.uses("packed"):
+            for w in weights:
+                if w.data_ptr() not in self.packed:
+                    self.packed[w.data_ptr()] = (w, pack_weight(w))
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        kind = self.kind(x.numel() // x.shape[-1])
+        if kind == "packed":
+            return packed_linear(x, self.packed[w.data_ptr()][1], b)
+        return LINEARS[kind](x, w, b)
+
+    def describe(self) -> str:
+        """'torch', or by rows: '1-3 rows torch, 4+ rows packed'."""
+        if len(self.plan) == 1:
+            return self.plan[0][1]
+        parts = []
+        for i, (r, k) in enumerate(self.plan):
+            last = self.plan[i + 1][0] - 1 if i + 1 < len(self.plan) else None
+            span = f"{r}+ rows" if last is None else f"{r} row{'s' * (r > 1)}" if last == r else f"{r}-{last} rows"
+            parts.append(f"{span} {k}")
+        return ", ".join(parts)
+
+
+def plan_from_times(times: dict[str, dict[int, float]], rows=MEASURED_ROWS) -> tuple[tuple[int, str], ...]:
+    """The plan `auto` keeps: at each measured row count the kind with the least time among F.linear and those
+    at least LINEAR_MARGIN below it (a close call would flip between runs and, with it, the rounding of
+    near-ties), each count's choice holding up to the next count."""
+    plan: list[tuple[int, str]] = []
+    for i, m in enumerate(rows):
+        fast = [k for k in times if times[k][m] <= (1 - LINEAR_MARGIN) * times["torch"][m]]
+        kind = min(fast, key=lambda k: times[k][m]) if fast else "torch"
+        if not plan or plan[-1][1] != kind:
+            plan.append((1 if i == 0 else m, kind))
+    return tuple(plan)
 
 
 def attention_mask(prefix: int, tree: torch.Tensor | None, q: int, device) -> torch.Tensor | None:
@@ -182,7 +257,7 @@ class TargetRunner:
 class LeanRunner(TargetRunner):
     """A Llama-family decoder over the HF modules' weights with a preallocated cache [L,1,nkv,cap,hd]."""
 
-    def __init__(self, target, feature_layers, capacity: int = 2048, linear: str = "torch"):
+    def __init__(self, target, feature_layers, capacity: int = 2048, linear: "str | tuple" = "torch"):
         super().__init__(target, feature_layers)
         cfg = target.text_config
         self.nh, self.nkv = (int(cfg.num_attention_heads),
@@ -194,45 +269,71 @@ class LeanRunner(TargetRunner):
         self.capacity = 0
         self.k = self.v = None
         self._ensure(capacity)
-        self.linear_kind, self.linear_choice = "torch", ""  # how every projection is computed (LINEARS), and why
+        self.projections, self.linear_choice = Projections.of("torch"), ""  # how projections are computed, and why
         self.choose_linear(linear)
 
+    def _weights(self) -> list[torch.Tensor]:
+        """Every weight the forward multiplies by, for packing."""
+        out = [*self.wqkv, *self.wgu, self.model.lm_head.weight]
+        for layer in self.layers:
+            out += [layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight]
+        return out
+
+    def use_projections(self, projections: Projections) -> None:
+        """Compute the projections by `projections`, packing the weights it needs (once per Projections)."""
+        projections.pack(self._weights())
+        self.projections = projections
+
     @torch.inference_mode()
-    def choose_linear(self, how: str = "auto", reps: int = 3) -> str:
-        """Compute the projections with F.linear or few_rows_linear: `how`, or with "auto" the faster of the two
-        as measured on this model here, one- and FEW_ROWS-token forwards interleaved (few_rows_linear must win by
-        LINEAR_MARGIN: a close call would flip between runs and, with it, the rounding of near-ties). Only float32
-        on a CPU is measured: elsewhere the BLAS calls of F.linear are the fast ones. Sets and returns
-        `linear_choice`, a line saying what was chosen and why."""
-        if how != "auto" and how not in LINEARS:
-            raise EyasError(f"projections {how!r} unknown", f"the lean runner computes them by {', '.join(LINEARS)}",
+    def choose_linear(self, how: "str | tuple" = "auto", reps: int = 3) -> str:
+        """How every projection is computed (Projections): `how` (a kind for every row count, or a plan), or with
+        "auto" per number of rows the fastest kind as measured on this model here: a forward over each of
+        MEASURED_ROWS rows by each kind this machine offers, alternated, `reps` rounds after a warm-up (on a CPU
+        only: elsewhere the BLAS calls of F.linear are the fast ones). Sets and returns `linear_choice`, a line
+        saying what was chosen and why."""
+        if isinstance(how, str) and how != "auto" and how not in KINDS:
+            raise EyasError(f"projections {how!r} unknown", f"the lean runner computes them by {', '.join(KINDS)}",
                             "use one of those, or auto")
+        dtype = self.target.dtype
         if how != "auto":
-            self.linear_kind, self.linear_choice = how, f"{how} (as asked)"
+            why = packing_unsupported(dtype, self.device) if Projections.of(how).uses("packed") else ""
+            if why:
+                raise EyasError("packed projections asked for", why, "use --projections torch or auto")
+            self.use_projections(Projections.of(how))
+            self.linear_choice = f"{self.projections.describe()} (as asked)"
             return self.linear_choice
-        if self.device.type != "cpu" or self.target.dtype != torch.float32:
-            self.linear_kind, self.linear_choice = "torch", "torch (not float32 on a CPU: not measured)"
+        if self.device.type != "cpu":
+            self.use_projections(Projections.of("torch"))
+            self.linear_choice = "torch (not a CPU: not measured)"
             return self.linear_choice
+        kinds = ["torch"] + (["few-rows"] if dtype == torch.float32 else [])
+        if not packing_unsupported(dtype, self.device):
+            kinds.append("packed")
         g = torch.Generator().manual_seed(0)
         vocab = self.target.vocab_size
-        times = {name: [] for name in LINEARS}
+        times: dict[str, dict[int, list[float]]] = {k: {m: [] for m in MEASURED_ROWS} for k in kinds}
+        by_kind = {k: Projections.of(k) for k in kinds}
+        for p in by_kind.values():
+            p.pack(self._weights())
         self.reset()
         self.prefill(torch.randint(0, vocab, (64,), generator=g))
         for rep in range(reps + 1):  # the first round warms up, untimed
-            for name in LINEARS:
-                self.linear_kind = name
-                t0 = time.perf_counter()
-                for q in (1, FEW_ROWS):
-                    self.forward(torch.randint(0, vocab, (q,), generator=g))  # uncommitted: the prefix stays
-                if rep:
-                    times[name].append(time.perf_counter() - t0)
+            for kind in kinds:
+                self.projections = by_kind[kind]
+                for m in MEASURED_ROWS:
+                    ids = torch.randint(0, vocab, (m,), generator=g)
+                    t0 = time.perf_counter()
+                    self.forward(ids)  # uncommitted: the prefix stays
+                    if rep:
+                        times[kind][m].append(time.perf_counter() - t0)
         self.reset()
-        t = {name: sorted(v)[len(v) // 2] for name, v in times.items()}
-        pick = "few-rows" if t["few-rows"] <= (1 - LINEAR_MARGIN) * t["torch"] else "torch"
-        self.linear_kind = pick
-        self.linear_choice = (f"{pick} (measured: t(1) + t({FEW_ROWS}) {1e3 * t['few-rows']:.1f} ms by "
-                              "few_rows_linear, "
-                              f"{1e3 * t['torch']:.1f} ms by F.linear)")
+        med = {k: {m: sorted(v)[len(v) // 2] for m, v in t.items()} for k, t in times.items()}
+        chosen = Projections(plan_from_times(med))
+        if chosen.uses("packed"):
+            chosen.packed = by_kind["packed"].packed  # packed once; unused, they are freed with by_kind
+        self.projections = chosen
+        table = "; ".join(f"{m} {'/'.join(f'{1e3 * med[k][m]:.1f}' for k in kinds)}" for m in MEASURED_ROWS)
+        self.linear_choice = f"{chosen.describe()} (measured, rows: ms by {'/'.join(kinds)}: {table})"
         return self.linear_choice
 
     def _ensure(self, needed: int) -> None:
@@ -261,7 +362,7 @@ class LeanRunner(TargetRunner):
         cos, sin = cos[:, None], sin[:, None]
         mask = _rep_mask(attention_mask(start, tree, q, x.device), self.nh // self.nkv)
         feats = [x] if 0 in self.feature_layers else []
-        linear = LINEARS[self.linear_kind]
+        linear = self.projections
 
         def exact(qs, ks, vs):
             return _attend(qs, ks, vs, mask)
@@ -339,9 +440,9 @@ class HFRunner(TargetRunner):
 
 
 def make_runner(target, feature_layers, impl: str = "auto", capacity: int = 2048,
-                linear: str = "auto") -> TargetRunner:
-    """The lean runner for Llama-family targets (its projections by `linear`: LeanRunner.choose_linear), the HF
-    one otherwise (or when impl='hf')."""
+                linear: "str | tuple" = "auto") -> TargetRunner:
+    """The lean runner for Llama-family targets (its projections by `linear`, a kind or a plan:
+    LeanRunner.choose_linear), the HF one otherwise (or when impl='hf')."""
     if impl == "lean" or (impl == "auto" and supports(target)):
         return LeanRunner(target, feature_layers, capacity, linear)
     return HFRunner(target, feature_layers)
