@@ -394,6 +394,30 @@ def test_card_shows_the_draft_even_when_a_baseline_was_faster(tmp_path):
     assert "prompt-lookup k=7 baseline 1.12" in " ".join(page.sections["evaluation"]["text"].split())
 
 
+def test_every_evaluation_of_the_run_is_shown(tmp_path):
+    """The demo evaluates on MT-Bench and on GSM8K test: both stages' figures are on the page, each from its file."""
+    run_dir = make_run(tmp_path / "demo")
+    res = results(samples=False)
+    res["bench"] = {"name": "gsm8k", "prompts": 4, "turns": 4, "categories": []}
+    res["configs"] = [_config("eagle3 chain k=3", "eagle3", 3, 1.876, 1.432, [0.55, 0.31, 0.2])]
+    for c in res["configs"]:
+        c["per_category"] = {}
+    res["best"] = {"name": "eagle3 chain k=3", "speedup": 1.432, "tau": 1.876}
+    _w(run_dir / "evaluate-gsm8k" / "results.json", res)
+    _marker(run_dir, "evaluate-gsm8k", "evaluate", {"bench": "gsm8k", "out": str(run_dir / "evaluate-gsm8k")}, res,
+            40.0)
+    summary, page = report(run_dir)
+    text = " ".join(page.sections["evaluation"]["text"].split())
+    assert summary["problems"] == [] and check_numbers(page, run_dir) > 150
+    first, second = text.index("mt_bench (stage evaluate)"), text.index("gsm8k (stage evaluate-gsm8k)")
+    assert first < second
+    assert "eagle3 chain k=5 2.51 29.8 1.61×" in text[:second]  # MT-Bench's best, from evaluate/results.json
+    assert "eagle3 chain k=3 1.88 26.5 1.43×" in text[second:]  # 18.5 * 1.432 tok/s
+    sources = {n["src"].partition("#")[0] for n in page.numbers}
+    assert {"evaluate/results.json", "evaluate-gsm8k/results.json"} <= sources
+    assert card(page)["speedup"] == "1.61×"  # the card keeps the run's main evaluation
+
+
 def test_sample_generation_highlights_exactly_the_accepted_draft_tokens(demo):
     page = demo[2]
     # pieces The|sun|sets|<b>|on|the|bay|. with accepted [2, 0, 1, 1]: token 0 from the prompt's forward, then

@@ -36,7 +36,7 @@ MAX_ANSWER = 64 << 20  # bytes: a chat completion is far smaller; more is a misb
 
 
 class ServerSettings(Protocol):
-    """What the backend reads of the stage's settings (eyas.data.regenerate.ServerSettings)."""
+    """What the backend reads of the stage's settings (eyas.data.regenerate.RegenerateConfig has them all)."""
 
     server: str
     model: str

@@ -76,10 +76,32 @@ def _calibration(res: Doc, d: Loaded) -> str:
             "per verification over the rounds that drafted, on its own prompts.</p>")
 
 
+def evaluations(f: RunFiles, d: Loaded) -> list[tuple[str, Doc]]:
+    """(stage name, results.json) of every finished evaluate stage whose results can be read, in pipeline order (a
+    demo evaluates on MT-Bench and on GSM8K); the run's main results alone when no stage marker names another."""
+    found = []
+    for name, marker in f.stages("evaluate"):
+        out = marker.get("settings", "out")
+        if not isinstance(out, str) or not out:
+            continue
+        folder = f.resolve(out)
+        res = d.results if folder == d.eval else f.json(folder / "results.json")
+        if res and all(res.name != r.name for _, r in found):
+            found.append((name, res))
+    return found or ([("evaluate", d.results)] if d.results else [])
+
+
 def sec_evaluation(f: RunFiles, d: Loaded) -> tuple[str, bool]:
-    res = d.results
-    if not res:
+    found = evaluations(f, d)
+    if not found:
         return missing("evaluate", d.results.name), False
+    if len(found) == 1:
+        return _evaluation(found[0][1], d), True
+    return "".join(f"<h3 class=\"stage\">{esc(res.get('bench', 'name') or name)} (stage <code>{esc(name)}</code>)"
+                   f"</h3>" + _evaluation(res, d) for name, res in found), True
+
+
+def _evaluation(res: Doc, d: Loaded) -> str:
     configs, cats = res.get("configs") or [], res.get("bench", "categories") or []
     names = [c.get("name", "?") for c in configs]
     intro = (f"<p class=\"lead\">{res.num('bench', 'prompts')} prompts of {esc(res.get('bench', 'name'))} "
@@ -110,17 +132,15 @@ def sec_evaluation(f: RunFiles, d: Loaded) -> tuple[str, bool]:
               "target's own bonus token included (EAGLE's definition). Acceptance rate at position i: among rounds "
               "whose draft reached position i with positions 1..i-1 accepted, the share accepted at i. Speedup: decode "
               "tokens/s over the faster no-speculation decoder (prefill excluded). Predicted: the speedup the measured "
-              "target latencies allow with zero overhead; efficiency = measured / predicted.</p>"), True
+              "target latencies allow with zero overhead; efficiency = measured / predicted.</p>")
 
 
 def sec_scaling(f: RunFiles, d: Loaded) -> str | None:
     """Drafts trained on more or less of the same data, evaluated side by side (eyas.report.scaling); None (no
     section) when no evaluation holds two of them."""
     curves = []
-    for name, marker in f.stages("evaluate"):
-        out = marker.get("settings", "out")
-        res = f.json(f.resolve(out) / "results.json") if isinstance(out, str) else None
-        pts = scaling.points(res.data, f.resolve, lambda p: f.json(p).data) if res else []
+    for name, res in evaluations(f, d):
+        pts = scaling.points(res.data, f.resolve, lambda p: f.json(p).data)
         if len({p.tokens for p in pts}) >= 2:  # drafts of one amount of data (ablations) make no curve
             curves.append((name, res, pts, scaling.trend(pts)))
     if not curves:
