@@ -101,7 +101,7 @@ def main() -> None:
     if "suffix" in methods and subprocess.run([python, "-c", "import arctic_inference"],
                                               capture_output=True).returncode != 0:
         print("suffix: left out, arctic-inference is not installed in vLLM's environment "
-              "(pip install arctic-inference there)")
+              "(VLLM_SUFFIX=1 bash scripts/setup-vllm.sh builds it there)")
         methods.remove("suffix")
     print(f"load {os.getloadavg()[0]:.2f} before; {time.strftime('%Y-%m-%d %H:%M')}")
     prompts, stop, model = prompts_of(a, dtype)
