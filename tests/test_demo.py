@@ -339,3 +339,30 @@ def test_the_demos_last_lines_judge_the_draft_where_it_should_pay_and_where_it_c
     assert "Prompt lookup" not in said and "conversations and minutes" not in said
     no_draft = {"bench": {"name": "gsm8k"}, "configs": gsm["configs"][2:]}
     assert _final_lines({"evaluate": no_draft}, tmp_path) == [f"run folder: {tmp_path}"]
+
+
+def test_a_speedup_the_latencies_cannot_explain_is_flagged_not_believed(tmp_path):
+    """A demo run beside other work timed plain decoding slow: the draft at tau 1.05 showed 1.45x, more than its
+    tau and the measured forwards allow (1.00x). The figures are printed with a caution naming the configuration;
+    efficiency within noise of 1 is not flagged."""
+    from eyas.pipeline.demo import _final_lines
+    from eyas.speculate.results import EFFICIENCY_CEILING, disturbed
+
+    ok = {"checked": True, "identical": True}
+
+    def config(name, drafter, tau, speedup, predicted):
+        return {"name": name, "drafter": drafter, "k": 5, "tau": tau, "speedup": speedup, "lossless": ok,
+                "predicted_speedup": predicted, "efficiency": speedup / predicted}
+
+    mt = {"bench": {"name": "mt_bench", "prompts": 4, "categories": ["writing"]},
+          "configs": [config("eagle3 chain k=5", "eagle3", 1.05, 1.45, 1.00),
+                      config("prompt-lookup k=7", "prompt-lookup", 1.39, 1.92, 1.35)]}
+    gsm = {"bench": {"name": "gsm8k", "prompts": 4, "categories": ["gsm8k"]},
+           "configs": [config("eagle3 chain k=5", "eagle3", 1.04, 1.04, 0.98)]}  # 1.06: noise, not flagged
+    assert [c["name"] for c in disturbed(mt)] == ["eagle3 chain k=5", "prompt-lookup k=7"] and disturbed(gsm) == []
+    assert disturbed({"configs": [{"efficiency": EFFICIENCY_CEILING}]}) == []
+    lines = _final_lines({"evaluate": mt, "evaluate-gsm8k": gsm}, tmp_path)
+    caution = [x for x in lines if "caution" in x]
+    assert len(caution) == 1 and caution[0].startswith("MT-Bench: caution: 2 configuration(s) ran faster than")
+    assert "eagle3 chain k=5: 1.45x measured, 1.00x the most its tau and t(q) allow" in caution[0]
+    assert lines.index(caution[0]) == 4  # after both benchmarks' figures, before the conclusion drawn from them

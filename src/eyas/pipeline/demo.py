@@ -29,7 +29,7 @@ from eyas.core.errors import EyasError
 from eyas.core.log import console
 from eyas.pipeline.registry import COMMANDS, load_stage
 from eyas.pipeline.stages import Stage, run_pipeline
-from eyas.speculate.results import lossless_word
+from eyas.speculate.results import disturbed_words, lossless_word
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -157,6 +157,8 @@ def _final_lines(summaries: dict, run: Path) -> list[str]:
         lines.append(f"acceptance length tau and speedup over plain greedy decoding{trained}, beside prompt lookup "
                      f"and the hybrid of both (lossless: {verdict}):")
         lines += [line for line, _, _ in rows]
+        lines += [f"{BENCHES.get((s.get('bench') or {}).get('name'), 'evaluation')}: {words}" for s in evals.values()
+                  if (words := disturbed_words(s))]
         lines.append(_verdict([(short, speed) for _, short, speed in rows], kept))
     rep = summaries.get("report") or {}
     if rep.get("path"):

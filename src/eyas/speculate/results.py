@@ -25,6 +25,28 @@ from eyas.core.files import write_json
 from eyas.speculate.decode import acceptance_stats
 from eyas.speculate.target_forward import effective_latency
 
+EFFICIENCY_CEILING = 1.15  # measured / predicted speedup above this is not the engine's: the run was disturbed
+
+
+def disturbed(res: dict) -> list[dict]:
+    """The configurations faster than the measured latencies allow by more than noise (efficiency above
+    EFFICIENCY_CEILING: the prediction counts no overhead at all). Their speedups are not the machine's: the plain
+    baseline was timed slower than the target's forwards measured, most often because other work ran beside it."""
+    return [c for c in res.get("configs") or [] if (c.get("efficiency") or 0.0) > EFFICIENCY_CEILING]
+
+
+def disturbed_words(res: dict) -> str:
+    """One sentence on `disturbed` configurations, or '' when there are none."""
+    bad = disturbed(res)
+    if not bad:
+        return ""
+    worst = max(bad, key=lambda c: c["efficiency"])
+    return (f"caution: {len(bad)} configuration(s) ran faster than the measured latencies allow ({worst['name']}: "
+            f"{worst['speedup']:.2f}x measured, {worst['predicted_speedup']:.2f}x the most its tau and t(q) allow): "
+            "the plain baseline was timed slower than this machine runs it, most often because other work ran "
+            "beside the evaluation; these speedups are not to be trusted. Rerun on a quiet machine, or with "
+            "--repeats 3")
+
 
 def _tps(recs) -> float | None:
     toks = sum(max(len(r["tokens"]) - 1, 0) for r in recs)
@@ -217,6 +239,8 @@ def summary_lines(res: dict) -> list[str]:
                              f"(largest gap {max(t['fp32_gap'] for t in replayed):.3f}); replayed, each is the "
                              "argmax of the target's own logits in the run's verify shapes, and the fp32 replay "
                              "equals the cache-free forward (eyas.speculate.lossless)")
+    if words := disturbed_words(res):
+        lines.append(words)
     return lines
 
 
