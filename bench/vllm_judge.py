@@ -10,7 +10,9 @@ Runs in eyas's environment and starts vLLM's (scripts/setup-vllm.sh; EYAS_VLLM_P
 own plain greedy answer to the first, so the same settings in `eyas evaluate` decode the same prompts. Time is
 counted as eyas counts it: decoding after the first token (a one-token request on the same prompt times the
 prefill, which is subtracted). tau is vLLM's: 1 + accepted tokens / drafting rounds (rounds in which ngram or
-suffix found nothing to propose are not counted, where `eyas evaluate` counts them with a = 0).
+suffix found nothing to propose are not counted, where `eyas evaluate` counts them with a = 0); `tau all` counts
+every round as eyas does: tokens after the first / (those tokens - accepted ones), a round being one token and its
+accepted ones (a round cut short by the token limit makes it a little high).
 """
 
 from __future__ import annotations
@@ -50,8 +52,12 @@ class JudgeConfig:
     out: str = opt("", "write the figures as JSON here")
 
 
-def prompts_of(a: JudgeConfig, dtype: str) -> tuple[list[list[int]], list[int], str]:
-    """Every turn's prompt ids as `eyas evaluate` builds them, the stop ids, and the target's folder for vLLM."""
+WARM_UP = "Name the days of the week, one per line."  # the untimed first request: a prompt of no bench
+
+
+def prompts_of(a: JudgeConfig, dtype: str) -> tuple[list[list[int]], list[int], str, list[int]]:
+    """Every turn's prompt ids as `eyas evaluate` builds them, the stop ids, the target's folder for vLLM, and the
+    warm-up prompt's ids."""
     from eyas.core.target import load_target
     from eyas.core.vllm_server import engine_model
     from eyas.data.chat import ChatRenderer
@@ -73,7 +79,8 @@ def prompts_of(a: JudgeConfig, dtype: str) -> tuple[list[list[int]], list[int], 
                 answer = plain_generate(runner, prompts[-1], a.max_new_tokens, stop=stop).tokens
                 messages.append({"role": "assistant", "content": renderer.clean_reply(
                     target.tokenizer.decode(answer, skip_special_tokens=True))})
-    return prompts, sorted(stop), engine_model(a.target)[0]
+    warmup = renderer.prompt_ids([{"role": "user", "content": WARM_UP}])
+    return prompts, sorted(stop), engine_model(a.target)[0], warmup
 
 
 def spec_config(a: JudgeConfig, method: str) -> dict | None:
@@ -104,7 +111,7 @@ def main() -> None:
               "(VLLM_SUFFIX=1 bash scripts/setup-vllm.sh builds it there)")
         methods.remove("suffix")
     print(f"load {os.getloadavg()[0]:.2f} before; {time.strftime('%Y-%m-%d %H:%M')}")
-    prompts, stop, model = prompts_of(a, dtype)
+    prompts, stop, model, warmup = prompts_of(a, dtype)
     env, threads = cpu_env(1, python)
     print(f"{len(prompts)} prompts, {a.max_new_tokens} new tokens at most; vLLM at {python}; {threads}")
     results = {}
@@ -113,7 +120,7 @@ def main() -> None:
             job, out = Path(tmp) / f"{method}.json", Path(tmp) / f"{method}.out.json"
             job.write_text(json.dumps({"target": model, "dtype": dtype, "max_model_len": 4096, "stop": stop,
                                        "max_new_tokens": a.max_new_tokens, "spec": spec_config(a, method),
-                                       "prompts": prompts}))
+                                       "prompts": prompts, "warmup": warmup}))
             t0 = time.perf_counter()
             done = subprocess.run([python, str(WORKER), str(job), str(out)], env={**os.environ, **env},
                                   capture_output=True, text=True)
@@ -135,12 +142,13 @@ def main() -> None:
         per_pos = spec.get("vllm:spec_decode_num_accepted_tokens_per_pos", [])
         same = sum(first_divergence(p["tokens"], x["tokens"]) is None for p, x in zip(plain, rows))
         table.append({"method": method, "tau": 1 + accepted / drafts if drafts else None, "drafts": drafts,
+                      "tau_all": tokens / (tokens - accepted) if drafts else None,
                       "accepted_by_position": per_pos, "tokens_per_s": rate[method],
                       "speedup": rate[method] / rate["plain"], "same_as_plain": same, "prompts": len(rows)})
-    print(f"{'method':<8} {'tau':>5} {'tok/s':>7} {'speedup':>7}  same as plain  accepted by position")
+    print(f"{'method':<8} {'tau':>5} {'tau all':>7} {'tok/s':>7} {'speedup':>7}  same as plain  accepted by position")
     for t in table:
-        tau = f"{t['tau']:.3f}" if t["tau"] else "-"
-        print(f"{t['method']:<8} {tau:>5} {t['tokens_per_s']:>7.1f} {t['speedup']:>6.2f}x  "
+        tau, every = (f"{t['tau']:.3f}", f"{t['tau_all']:.3f}") if t["tau"] else ("-", "-")
+        print(f"{t['method']:<8} {tau:>5} {every:>7} {t['tokens_per_s']:>7.1f} {t['speedup']:>6.2f}x  "
               f"{t['same_as_plain']}/{t['prompts']:<12} {t['accepted_by_position']}")
     print(f"load {os.getloadavg()[0]:.2f} after; {time.strftime('%Y-%m-%d %H:%M')}")
     if a.out:

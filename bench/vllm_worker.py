@@ -3,7 +3,9 @@
     VLLM_PYTHON bench/vllm_worker.py JOB.json OUT.json
 
 JOB: {"target", "dtype", "max_model_len", "max_new_tokens", "stop", "spec" (vLLM's speculative_config, or null for
-plain decoding), "prompts" (token id lists)}. One request at a time, temperature 0, after one warm-up request. For
+plain decoding), "prompts" (token id lists), "warmup" (a prompt of none of the bench's)}. One request at a time,
+temperature 0, after one warm-up request on the warm-up prompt (its reply stays in vLLM's suffix cache: on a
+prompt of the bench, `suffix` would draft that prompt's reply from it, as it did until 2026-12-06). For
 each prompt: its tokens, the seconds of the whole request and of a one-token request on the same prompt (its
 prefill and first token, so that decoding alone can be timed as `eyas evaluate` times it). OUT also holds vLLM's
 speculative-decoding counters over the timed requests (drafts, draft tokens, accepted tokens, accepted per
@@ -44,7 +46,7 @@ def main() -> None:
         out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
         return list(out.outputs[0].token_ids), time.perf_counter() - t0
 
-    run(job["prompts"][0], full)  # warm-up: compilation, caches
+    run(job["warmup"], full)  # warm-up: compilation, caches
     before = counters(llm)
     rows = []
     for prompt in job["prompts"]:

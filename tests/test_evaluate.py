@@ -224,3 +224,26 @@ def test_drafts_are_named_by_the_fewest_trailing_parts_that_tell_them_apart(tmp_
     a, b, c = (str(tmp_path / p) for p in ("run/train/final", "run/mix/train/final", "other/curve/1of8/final"))
     assert short_names([a, b, c]) == {a: "run/train/final", b: "mix/train/final", c: "1of8/final"}
     assert short_names([a]) == {a: "train/final"}
+
+
+def test_the_warm_up_leaves_suffix_decoding_nothing_to_draft_from(tiny_target):
+    """evaluate's untimed warm-up decodes the first prompt; its reply used to stay in suffix decoding's run-wide trie,
+    so the first timed turn, the same prompt, drafted its own reply from it (vLLM's judge did the same until
+    2026-12-06: MT-Bench tau 1.87 against 1.81 replayed without it). After the warm-up the run has seen nothing."""
+    import types
+
+    from eyas.data.chat import ChatRenderer
+    from eyas.speculate.drafters import HybridDrafter, PromptLookupDrafter
+    from eyas.speculate.evaluate import Method, _warm_up
+    from eyas.speculate.suffix import SuffixDrafter
+    from eyas.speculate.target_forward import LeanRunner
+
+    runner = LeanRunner(tiny_target, tiny_target.default_feature_layers())
+    suffix = SuffixDrafter(8)
+    hybrid = HybridDrafter(PromptLookupDrafter(3), SuffixDrafter(8))
+    methods = [Method("suffix k=8", suffix, None, "tree", 8, "suffix"),
+               Method("hybrid", hybrid, None, "chain", 3, "hybrid-suffix")]
+    item = types.SimpleNamespace(turns=["Write a haiku about the sea."])
+    _warm_up(runner, ChatRenderer(tiny_target.tokenizer), methods, item, set(), types.SimpleNamespace(temperature=0.0))
+    assert suffix.own is None and suffix.shared.root.children == {}
+    assert hybrid.lookup.own is None and hybrid.lookup.shared.root.children == {}

@@ -472,12 +472,58 @@ def test_suffix_drafting_grows_a_tree_best_first_by_frequency():
     assert d.match(seq, 4) == ([3, 8, 5], 2)  # the hybrid's chain: the tree's first path (the likeliest)
 
 
+def test_suffix_drafting_verifies_the_match_length_whose_tree_expects_most():
+    """The longest match is not always the best: "1 2" was followed by three different tokens (1/3 each), while "2"
+    was followed by 7 nine times in twelve. The one token after "2" expects 0.75 accepted, the two best after
+    "1 2" 2/3: the shorter match's tree is verified (taking the longest match lost 9% of tau on MT-Bench)."""
+    seq = [1, 2, 11, 1, 2, 12, 1, 2, 13] + [5, 2, 7] * 9 + [1, 2]
+    d = SuffixDrafter(k=8)
+    d.start(seq, None)
+    tokens, parents, expected, n = d.tree(seq, 8)
+    assert (tokens, parents, n) == ([7], [-1], 1) and expected == pytest.approx(9 / 12)
+    assert d.propose(seq, 0.0, None, None).tokens.tolist() == [7]
+    d = SuffixDrafter(k=8)  # with "2 7" seen less often than 2/3 of the time, the longer match's tree wins again
+    seq = [1, 2, 11, 1, 2, 12, 1, 2, 13] + [5, 2, 7] * 5 + [1, 2]
+    d.start(seq, None)
+    tokens, parents, expected, n = d.tree(seq, 8)
+    assert n == 2 and tokens[:2] == [11, 12] and expected == pytest.approx(2 / 3)
+
+
 def test_suffix_drafting_learns_from_the_runs_earlier_replies():
     d = SuffixDrafter(k=8)
     d.start([40, 41, 7], None)  # first request: prompt 40 41, reply 7 8 9 10 11
     d.propose([40, 41, 7, 8, 9, 10, 11], 0.0, None, None)
     d.start([50, 7, 8], None)  # the next request: its own text has no "7 8" before; the first reply had
     assert d.propose([50, 7, 8], 0.0, None, None).tokens.tolist() == [9, 10]
+    d.forget()  # (after evaluate's warm-up): the run has seen nothing
+    d.start([50, 7, 8], None)
+    assert d.propose([50, 7, 8], 0.0, None, None).tokens.tolist() == []
+
+
+def test_replaying_a_model_free_drafter_counts_the_rounds_of_the_decoding_loop(tiny_target):
+    """bench/replay_drafters.py counts evaluate's rounds without the target (at temperature 0 a round keeps what the
+    target's greedy continuation confirms). Against the decoding loop itself, for prompt lookup and suffix decoding
+    over a run of requests (suffix decoding's run-wide trie carrying from one to the next): the same accepted
+    tokens, round by round."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "replay_drafters", Path(__file__).resolve().parents[1] / "bench" / "replay_drafters.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # (its dataclass looks its module up)
+    spec.loader.exec_module(bench)
+    runner = LeanRunner(tiny_target, tiny_target.default_feature_layers())
+    prompts = [p * 3 for p in random_prompts(4, length=6)]  # repeated text: something for lookup to find
+    rows = [{"id": i, "prompt": p, "reply": plain_generate(runner, p, NEW + 10).tokens, "max_new": NEW}
+            for i, p in enumerate(prompts)]
+    for make in (lambda: PromptLookupDrafter(4), lambda: SuffixDrafter(8)):
+        looped = make()
+        accepted = [r.accepted for p in prompts for r in speculative_generate(runner, looped, p, NEW).rounds]
+        replayed = bench.replay({"stop": [], "rows": rows}, bench.EyasDrafter(make()))
+        assert replayed["accepted"] == accepted and sum(accepted) > 0
+        assert replayed["tau"] == pytest.approx(acceptance_stats(accepted, [1] * len(accepted))["tau"])
 
 
 def test_the_hybrid_starts_its_partner_at_every_request():

@@ -49,6 +49,10 @@ class Drafter:
     def update(self, seq: list[int], feats) -> None:
         pass
 
+    def forget(self) -> None:
+        """Drop what the drafter learned from the text it has seen (suffix decoding's run-wide counts): after an
+        untimed warm-up, whose reply would otherwise be drafted from when the same prompt comes again."""
+
     def timed(self, r: Round) -> None:
         """The decoder's figures of the round just verified (a drafter pricing its own rounds learns from them)."""
 
@@ -310,6 +314,9 @@ class HybridDrafter(Drafter):
         self.eagle.start(seq, feats)
         self.lookup.start(seq, feats)  # a new request: suffix decoding starts its request's trie
         self.last = None
+
+    def forget(self) -> None:
+        self.lookup.forget()
 
     def update(self, seq, feats) -> None:
         self.eagle.update(seq, feats)

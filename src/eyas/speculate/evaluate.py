@@ -378,6 +378,7 @@ def _warm_up(runner, renderer, methods, item, stop, cfg) -> None:
         if isinstance(m.drafter, OracleDrafter):
             m.drafter.set_reference(ref.tokens)
         speculative_generate(runner, m.drafter, prompt, 24, cfg.temperature, stop=stop, controller=None)
+        m.drafter.forget()  # the warm-up's reply is not text the run has seen: suffix decoding would draft from it
         if m.controller is not None:  # a hybrid's own controller saw the warm-up's slow first calls
             m.controller.reset()
 

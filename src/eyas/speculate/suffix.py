@@ -2,12 +2,15 @@
 counts of what followed what.
 
 Two tries count every substring of at most `depth` tokens: one over this request (its prompt and the reply so
-far), one over the earlier replies of the run (global). Each round the longest suffix of the sequence found in a
-trie (at most `depth` tokens, `match`) is followed down that trie, and a speculation tree grows best first: a
-child's score is its parent's times the share of the parent's continuations it makes (its count over the counts
-of its siblings and itself), children under `min_prob` are left out, and the tree holds at most
-`max_spec_factor` x the match length tokens (a longer match earns a longer speculation), capped at k. Of the two
-tries' trees the one with the larger sum of scores (the tokens it expects to be accepted) is verified.
+far), one over the earlier replies of the run (global). Each round every suffix of the sequence found in a trie
+with a continuation (at most `depth` tokens, the match) is followed down that trie, and a speculation tree grows
+best first: a child's score is its parent's times the share of the parent's continuations it makes (its count
+over the counts of its siblings and itself), children under `min_prob` are left out, and the tree holds at most
+`max_spec_factor` x the match length tokens (a longer match earns a longer speculation), capped at k. Of every
+match length in both tries, the tree with the largest sum of scores (the tokens it expects to be accepted) is
+verified, the longer match on a tie, as the paper and arctic-inference's implementation choose. Taking the longest
+match instead verified fewer tokens per round: on the demo's MT-Bench run (24 x 2 turns, replayed), tau 1.67
+against 1.84 (the results log, 2026-12-06).
 
 The tokens are point masses (no law q): verification stays exact at temperature 0 and keeps the target's law
 above it, as for prompt lookup.
@@ -104,7 +107,10 @@ class SuffixDrafter(Drafter):
                  ngram: int = 3):
         super().__init__(k)
         self.depth, self.factor, self.min_prob, self.ngram = depth, max_spec_factor, min_prob, ngram
-        self.shared = SuffixTrie(depth)  # the earlier replies of this run
+        self.forget()
+
+    def forget(self) -> None:
+        self.shared = SuffixTrie(self.depth)  # the earlier replies of this run
         self.own: SuffixTrie | None = None  # this request: its prompt and reply so far
         self.seq: list[int] = []  # the request's tokens fed to the tries so far
         self.reply_from = 0  # where this request's reply begins
@@ -135,15 +141,20 @@ class SuffixDrafter(Drafter):
             self.start(seq, None)
         self._feed(seq)
         best: tuple[list[int], list[int], float, int] = ([], [], 0.0, 0)
+        if k <= 0:
+            return best
         for ends in (self.own_ends, self.shared_ends):
-            # the longest suffix with a continuation seen (the request's own suffix nodes count this occurrence)
-            m = next((i for i in range(len(ends) - 1, -1, -1) if ends[i].children), -1)
-            if m < 0 or k <= 0:
-                continue
-            budget = min(k, max(1, int(self.factor * (m + 1))))
-            found = (*speculate(ends[m], budget, self.min_prob), m + 1)
-            if found[2] > best[2]:
-                best = found
+            # every suffix length with a continuation seen (the request's own suffix nodes count this occurrence),
+            # the longest first: a shorter match replaces a longer one only by a larger expected count, and once
+            # the best expects as many tokens as a match may speculate, no shorter one can (its budget is smaller)
+            for m in range(len(ends) - 1, -1, -1):
+                budget = min(k, max(1, int(self.factor * (m + 1))))
+                if best[2] >= budget:
+                    break
+                if ends[m].children:
+                    found = (*speculate(ends[m], budget, self.min_prob), m + 1)
+                    if found[2] > best[2]:
+                        best = found
         return best
 
     def match(self, seq: list[int], k: int) -> tuple[list[int], int]:
