@@ -63,6 +63,8 @@ def replay(refs: dict, drafter) -> dict:
                 accepted.append(len(path))
                 drafted += bool(tokens)
         drafter.finish()
+        if row["id"] == "warm-up":  # as evaluate does after its warm-up (vLLM's judge warms up on another prompt)
+            drafter.forget()
     n = len(accepted)
     return {"rounds": n, "tau": 1 + sum(accepted) / n, "drafted": drafted,
             "tau_drafted": 1 + sum(accepted) / drafted if drafted else None, "accepted": accepted}
@@ -94,6 +96,9 @@ class Arctic:
 
     def finish(self):
         self.cache.stop_request(self.request)
+
+    def forget(self):
+        self.__init__(self.k, self.depth, self.factor, self.min_prob)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--arctic-worker"]:  # in vLLM's environment: no eyas there
@@ -144,6 +149,9 @@ class EyasDrafter:
     def finish(self):
         pass
 
+    def forget(self):
+        self.d.forget()
+
 
 def references(a: ReplayConfig, extra: int) -> dict:
     """Every turn's prompt and greedy reply (max_new_tokens + `extra`, for the last round's look past the limit),
@@ -186,6 +194,7 @@ def references(a: ReplayConfig, extra: int) -> dict:
 
 def main() -> None:
     a = parse(ReplayConfig, description=__doc__.split("\n\n")[0])
+    from eyas.core.errors import EyasError
     from eyas.core.vllm_server import vllm_python
     from eyas.speculate.drafters import PromptLookupDrafter
     from eyas.speculate.suffix import SuffixDrafter
@@ -193,8 +202,13 @@ def main() -> None:
     refs = references(a, extra=max(a.lookup_k, a.suffix_k, a.arctic_k) + 1)
     results = [{"name": f"prompt-lookup k={a.lookup_k}", **replay(refs, EyasDrafter(PromptLookupDrafter(a.lookup_k)))},
                {"name": f"suffix k={a.suffix_k}", **replay(refs, EyasDrafter(SuffixDrafter(a.suffix_k)))}]
-    python = vllm_python(a.engine_python)
-    if subprocess.run([python, "-c", "import arctic_inference"], capture_output=True).returncode == 0:
+    try:
+        python = vllm_python(a.engine_python)
+        missing = subprocess.run([python, "-c", "import arctic_inference"], capture_output=True).returncode != 0
+        why = f"arctic-inference is not importable by {python}" if missing else ""
+    except EyasError as e:
+        why = e.what.removeprefix("--engine vllm: ")
+    if not why:
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "refs.json"
             path.write_text(json.dumps(refs))
@@ -204,8 +218,8 @@ def main() -> None:
             raise SystemExit("replay: arctic's cache failed:\n" + "\n".join(done.stderr.splitlines()[-20:]))
         results.append(json.loads(done.stdout.splitlines()[-1]))
     else:
-        print(f"arctic's suffix cache: left out, arctic-inference is not importable by {python} "
-              "(VLLM_SUFFIX=1 bash scripts/setup-vllm.sh builds it)")
+        print(f"arctic's suffix cache: left out, {why} (VLLM_SUFFIX=1 bash scripts/setup-vllm.sh builds it in "
+              "vLLM's environment)")
     print(f"{len(refs['rows']) - 1} turns of {a.bench}, {a.max_new_tokens} new tokens at most, temperature 0")
     print(f"{'drafter':<40} {'rounds':>7} {'tau':>6} {'drafted':>8} {'tau drafted':>12}")
     for r in results:
