@@ -8,9 +8,9 @@ best first: a child's score is its parent's times the share of the parent's cont
 over the counts of its siblings and itself), children under `min_prob` are left out, and the tree holds at most
 `max_spec_factor` x the match length tokens (a longer match earns a longer speculation), capped at k. Of every
 match length in both tries, the tree with the largest sum of scores (the tokens it expects to be accepted) is
-verified, the longer match on a tie, as the paper and arctic-inference's implementation choose. Taking the longest
-match instead verified fewer tokens per round: on the demo's MT-Bench run (24 x 2 turns, replayed), tau 1.67
-against 1.84 (the results log, 2026-12-06).
+verified, the longer match on a tie, as arctic-inference (the authors' code, behind vLLM's `suffix`) chooses.
+The longest match's tree alone accepted fewer tokens per round: on the demo's MT-Bench run (24 x 2 turns,
+replayed), tau 1.67 against 1.84 (the results log, 2026-12-06).
 
 The tokens are point masses (no law q): verification stays exact at temperature 0 and keeps the target's law
 above it, as for prompt lookup.
