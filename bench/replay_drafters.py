@@ -5,10 +5,14 @@ accepted tokens depend only on what was proposed and on the target's greedy cont
     python bench/replay_drafters.py --bench mt_bench --per-category 3 --num-prompts 0 --refs /tmp/mt-refs.json
 
 The references (each turn's prompt and the target's plain greedy reply, decoded once and kept in --refs) follow
-evaluate's order, its untimed warm-up first, so the replay of eyas's drafters counts exactly evaluate's rounds
-(tests/test_speculate.py checks it against the decoding loop). Where vLLM's environment has arctic-inference
-(`VLLM_SUFFIX=1 bash scripts/setup-vllm.sh`), arctic's suffix cache, the implementation behind vLLM's `suffix`
-method, is replayed on the same references through the calls vLLM makes (`--arctic-k` tokens, its defaults).
+evaluate's order, its untimed warm-up first (forgotten after, as evaluate forgets it), so the replay of eyas's
+drafters makes the rounds of `eyas evaluate --no-adaptive` (tests/test_speculate.py checks it against the decoding
+loop; evaluate's default controller sizes each round by its costs, which a replay without time cannot). A
+reference ends at its stop token, so a draft token the loop would still accept past it is not seen: tau can read
+a hair low (not the rounds). Where vLLM's environment has arctic-inference (`VLLM_SUFFIX=1 bash
+scripts/setup-vllm.sh`), arctic's suffix cache, the implementation behind vLLM's `suffix` method, is replayed on
+the same references through the calls vLLM makes (`--arctic-k` tokens, its defaults), its cache emptied after the
+warm-up too (vLLM's judge keeps the reply of its own warm-up prompt, of no bench, in it).
 """
 
 from __future__ import annotations

@@ -247,3 +247,20 @@ def test_the_warm_up_leaves_suffix_decoding_nothing_to_draft_from(tiny_target):
     _warm_up(runner, ChatRenderer(tiny_target.tokenizer), methods, item, set(), types.SimpleNamespace(temperature=0.0))
     assert suffix.own is None and suffix.shared.root.children == {}
     assert hybrid.lookup.own is None and hybrid.lookup.shared.root.children == {}
+
+
+def test_repeats_of_a_turn_each_start_from_the_same_drafter_state():
+    """--repeats keeps the fastest of n decodes; the drafter is told before each repeat (Drafter.repeat)."""
+    import types
+
+    from eyas.speculate.evaluate import _fastest
+
+    calls = []
+    times = iter([3.0, 1.0, 2.0])
+
+    def decode():
+        calls.append("decode")
+        return types.SimpleNamespace(decode_s=next(times))
+
+    assert _fastest(3, decode, lambda: calls.append("repeat")).decode_s == 1.0
+    assert calls == ["decode", "repeat", "decode", "repeat", "decode"]

@@ -498,6 +498,10 @@ def test_suffix_drafting_learns_from_the_runs_earlier_replies():
     d.forget()  # (after evaluate's warm-up): the run has seen nothing
     d.start([50, 7, 8], None)
     assert d.propose([50, 7, 8], 0.0, None, None).tokens.tolist() == []
+    d.start([40, 41, 7], None)
+    d.update([40, 41, 7, 8, 9, 10, 11], None)  # the reply's last round, never proposed from, joins the run's trie
+    d.start([50, 7, 8], None)
+    assert d.propose([50, 7, 8], 0.0, None, None).tokens.tolist() == [9, 10]
 
 
 def test_replaying_a_model_free_drafter_counts_the_rounds_of_the_decoding_loop(tiny_target):
@@ -526,17 +530,52 @@ def test_replaying_a_model_free_drafter_counts_the_rounds_of_the_decoding_loop(t
         assert replayed["tau"] == pytest.approx(acceptance_stats(accepted, [1] * len(accepted))["tau"])
 
 
+class StubDraft:
+    """A hybrid's draft side where only its start() is used."""
+
+    k, forward_time, forward_calls = 3, 0.0, 0
+
+    def start(self, seq, feats):
+        pass
+
+
+def test_a_repeated_request_starts_from_the_state_the_first_started_from():
+    """evaluate --repeats decodes a turn several times and keeps the fastest: each repeat must draft as the first
+    did. Without `repeat`, suffix decoding drafted the repeat's reply from the first decode's; the hybrid also
+    carried the first decode's acceptance counts and rounds into the repeat."""
+    d = SuffixDrafter(k=8)
+    d.start([40, 41, 7], None)
+    d.propose([40, 41, 7, 8, 9, 10, 11], 0.0, None, None)  # request A: reply 7 8 9 10 11
+    d.start([50, 60, 20], None)
+    assert d.propose([50, 60, 20, 21, 22, 23], 0.0, None, None).tokens.tolist() == []  # B: reply 20 21 22 23
+    leaky = copy.deepcopy(d)
+    leaky.start([50, 60, 20], None)  # B again, as a new request: B's first reply is drafted from
+    assert leaky.propose([50, 60, 20], 0.0, None, None).tokens.tolist() == [21]
+    d.repeat()
+    d.start([50, 60, 20], None)  # B again, as a repeat: only A's reply is known, as at B's first start
+    assert d.propose([50, 60, 20], 0.0, None, None).tokens.tolist() == []
+    d.propose([50, 60, 20, 21, 22, 23], 0.0, None, None)
+    d.start([70, 20], None)  # the next request learns from B's reply once
+    tokens, _, _, n = d.tree([70, 20], 8)
+    assert tokens == [21] and n == 1 and d.shared.root.children[21].count == 1
+
+    hybrid = HybridDrafter(StubDraft(), SuffixDrafter(k=8))
+    hybrid.start([40, 41, 7], None)
+    before = copy.deepcopy(hybrid.stats)
+    hybrid.stats["eagle3"] = [9.0, 0.5]
+    hybrid.used["eagle3"] += 4  # what a decode of the request learned and did
+    hybrid.repeat()
+    assert hybrid.stats == before and hybrid.used["eagle3"] == 0
+    hybrid.stats["eagle3"] = [9.0, 0.5]
+    hybrid.forget()  # after the warm-up: the priors again
+    assert hybrid.stats == before
+
+
 def test_the_hybrid_starts_its_partner_at_every_request():
     """A new request restarts suffix decoding's request trie inside the hybrid too, and the earlier reply joins its
     run-wide trie (the hybrid used to start only the draft, so its partner read the next prompt as a continuation)."""
 
-    class Draft:  # the hybrid's draft side, of which only start() is used here
-        k, forward_time, forward_calls = 3, 0.0, 0
-
-        def start(self, seq, feats):
-            pass
-
-    hybrid = HybridDrafter(Draft(), SuffixDrafter(k=8))
+    hybrid = HybridDrafter(StubDraft(), SuffixDrafter(k=8))
     hybrid.start([40, 41, 7], None)
     hybrid.lookup.match([40, 41, 7, 8, 9, 10, 11], 8)
     hybrid.start([50, 7, 8], None)

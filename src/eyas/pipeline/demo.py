@@ -157,8 +157,8 @@ def _final_lines(summaries: dict, run: Path) -> list[str]:
         lines.append(f"acceptance length tau and speedup over plain greedy decoding{trained}, beside prompt lookup "
                      f"and the hybrid of both (lossless: {verdict}):")
         lines += [line for line, _, _ in rows]
-        lines += [f"{BENCHES.get((s.get('bench') or {}).get('name'), 'evaluation')}: {words}" for s in evals.values()
-                  if (words := disturbed_words(s))]
+        lines += [f"{BENCHES.get((s.get('bench') or {}).get('name'), 'evaluation')}: {caution}"
+                  for s in evals.values() if (caution := disturbed_words(s))]
         lines.append(_verdict([(short, speed) for _, short, speed in rows], kept))
     rep = summaries.get("report") or {}
     if rep.get("path"):

@@ -19,6 +19,7 @@ and overwritten by the next round, so rejected tokens leave no trace and nothing
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 
@@ -52,6 +53,11 @@ class Drafter:
     def forget(self) -> None:
         """Drop what the drafter learned from the text it has seen (suffix decoding's run-wide counts): after an
         untimed warm-up, whose reply would otherwise be drafted from when the same prompt comes again."""
+
+    def repeat(self) -> None:
+        """The next request decodes the last one's prompt again (evaluate's --repeats): learn nothing from the
+        last request, so that every repeat starts from the same state (suffix decoding would otherwise draft the
+        repeat's reply from the first one's)."""
 
     def timed(self, r: Round) -> None:
         """The decoder's figures of the round just verified (a drafter pricing its own rounds learns from them)."""
@@ -289,11 +295,21 @@ class HybridDrafter(Drafter):
         self.k = max(eagle.k, lookup.k)  # no Drafter.__init__: the time and calls are the draft model's own
         self.eagle, self.lookup, self.decay, self.controller = eagle, lookup, decay, controller
         self.union = union and controller is not None
+        self.forget()
+
+    def forget(self) -> None:
+        """Back to the priors: what a warm-up taught (and its rounds) does not count."""
+        self.lookup.forget()
         # [accepted, rejections], decayed: the draft's, and prompt lookup's after a match of n tokens
-        self.stats = {"eagle3": [1.0, 1.0], **{self.key(n): [1.0, 1.0] for n in range(1, lookup.ngram + 1)}}
-        self.used = {"eagle3": 0, lookup.name: 0, **({"both": 0} if self.union else {})}  # rounds of each
+        self.stats = {"eagle3": [1.0, 1.0], **{self.key(n): [1.0, 1.0] for n in range(1, self.lookup.ngram + 1)}}
+        self.used = {"eagle3": 0, self.lookup.name: 0, **({"both": 0} if self.union else {})}  # rounds of each
         # the open round: (len(seq) before it, the draft's seconds on it, [(stats key, the chain it verified)])
         self.last: tuple[int, float, list[tuple[str, list[int]]]] | None = None
+        self.at_start = (copy.deepcopy(self.stats), dict(self.used))  # as the request began, for `repeat`
+
+    def repeat(self) -> None:
+        self.lookup.repeat()
+        self.stats, self.used = copy.deepcopy(self.at_start[0]), dict(self.at_start[1])
 
     @property
     def forward_time(self) -> float:
@@ -314,12 +330,11 @@ class HybridDrafter(Drafter):
         self.eagle.start(seq, feats)
         self.lookup.start(seq, feats)  # a new request: suffix decoding starts its request's trie
         self.last = None
-
-    def forget(self) -> None:
-        self.lookup.forget()
+        self.at_start = (copy.deepcopy(self.stats), dict(self.used))
 
     def update(self, seq, feats) -> None:
         self.eagle.update(seq, feats)
+        self.lookup.update(seq, feats)
         if self.last is not None:
             before, draft_s, chains = self.last
             made = seq[before:]  # the accepted tokens and the target's own

@@ -383,9 +383,15 @@ def _warm_up(runner, renderer, methods, item, stop, cfg) -> None:
             m.controller.reset()
 
 
-def _fastest(n: int, decode):
-    """The fastest of n decodes (interference from other processes only ever adds time)."""
-    return min((decode() for _ in range(n)), key=lambda g: g.decode_s)
+def _fastest(n: int, decode, again=lambda: None):
+    """The fastest of n decodes (interference from other processes only ever adds time); `again` before each
+    repeat (a drafter's `repeat`: every decode of the turn starts from the same state)."""
+    runs = []
+    for i in range(n):
+        if i:
+            again()
+        runs.append(decode())
+    return min(runs, key=lambda g: g.decode_s)
 
 
 def _decode_all(con, cfg, runner, target, renderer, methods, items, stop, cpu: Threads) -> list[dict]:
@@ -415,7 +421,8 @@ def _decode_all(con, cfg, runner, target, renderer, methods, items, stop, cpu: T
                 if isinstance(m.drafter, OracleDrafter):
                     m.drafter.set_reference(base.tokens)
                 g = _fastest(cfg.repeats, lambda: speculative_generate(
-                    runner, m.drafter, prompt, cfg.max_new_tokens, cfg.temperature, cfg.seed, stop, m.round_controller))
+                    runner, m.drafter, prompt, cfg.max_new_tokens, cfg.temperature, cfg.seed, stop, m.round_controller),
+                    m.drafter.repeat)
                 records.append({**key, "method": m.name, "tokens": g.tokens, "decode_s": g.decode_s,
                                 "prefill_s": g.prefill_s, "rounds": [dataclasses.asdict(r) for r in g.rounds],
                                 "prompt": prompt, "reference": base.tokens,
