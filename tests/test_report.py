@@ -541,3 +541,20 @@ def test_drafts_of_one_amount_of_data_make_no_curve(tmp_path):
     _w(run_dir / "evaluate" / "ab" / "results.json", res)
     _marker(run_dir, "evaluate-ab", "evaluate", {"draft": f"{r}/train/final", "out": f"{r}/evaluate/ab"}, {}, 1.0)
     assert "scaling" not in report(run_dir)[1].sections
+
+
+def test_a_disturbed_evaluation_is_cautioned_on_the_page(tmp_path):
+    """evaluate writes its caution into results.json when a configuration ran faster than its tau and the measured
+    latencies allow (eyas.speculate.results.disturbed_words); the page shows it under the figures, and shows none
+    for an evaluation without one."""
+    run_dir = make_run(tmp_path / "demo")
+    _, page = report(run_dir)
+    assert "caution" not in " ".join(page.sections["evaluation"]["text"].split())
+    path = run_dir / "evaluate" / "results.json"
+    res = json.loads(path.read_text())
+    res["caution"] = ("caution: 1 configuration(s) ran faster than the measured latencies allow (eagle3 chain k=5: "
+                      "1.61x measured, 1.30x the most its tau and t(q) allow)")
+    _w(path, res)
+    _, page = report(run_dir)
+    text = " ".join(page.sections["evaluation"]["text"].split())
+    assert "caution caution: 1 configuration(s) ran faster than the measured latencies allow (eagle3 chain k=5" in text

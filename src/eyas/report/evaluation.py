@@ -37,6 +37,13 @@ def _configs_table(res: Doc) -> str:
                  numeric=(1, 2, 3, 4, 5))
 
 
+def _caution(res: Doc) -> str:
+    """evaluate's caution (eyas.speculate.results.disturbed_words) when a configuration ran faster than its tau and
+    the measured latencies allow: its speedups are not the machine's."""
+    words = res.get("caution")
+    return f"<p>{badge('caution', 'bad')} {esc(words)}</p>" if words else ""
+
+
 def _divergences(res: Doc) -> str:
     out = []
     for c in res.get("configs") or []:
@@ -126,7 +133,7 @@ def _evaluation(res: Doc, d: Loaded) -> str:
     per_cat = table(["category"] + [f"{TAU} · {esc(n)}" for n in names],
                     [[esc(k)] + [res.num("configs", j, "per_category", k, "tau", fmt=",.2f") for j in range(len(names))]
                      for k in cats], numeric=range(1, len(names) + 1))
-    return (intro + _configs_table(res) + _divergences(res) + charts + _calibration(res, d)
+    return (intro + _configs_table(res) + _caution(res) + _divergences(res) + charts + _calibration(res, d)
             + f"<h3>{TAU} per category</h3>" + per_cat
             + f"<p class=\"note\">{TAU} (acceptance length): tokens produced per target verification forward, the "
               "target's own bonus token included (EAGLE's definition). Acceptance rate at position i: among rounds "

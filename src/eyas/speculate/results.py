@@ -185,6 +185,7 @@ def aggregate(cfg, target, draft, runner, items, methods, records, latency) -> d
             "latency_in_rounds_ms": rounds_latency(records),
             "baseline": base, "configs": configs,
             "best": {k: best[k] for k in ("name", "speedup", "tau")} if best else None,
+            "caution": disturbed_words({"configs": configs}) or None,  # for the report, which reads no torch
             "samples": _samples(by(shown["name"]), target.tokenizer) if shown else [],
             "records": [{k: r[k] for k in ("id", "category", "turn", "method", "decode_s", "prefill_s")}
                         | {"tokens": len(r["tokens"])} for r in records]}
