@@ -28,7 +28,9 @@ from pathlib import Path
 
 def walk(tokens: list[int], parents: list[int], ref: list[int], at: int) -> list[int]:
     """The proposal's nodes accepted at temperature 0 when the target's greedy continuation is ref[at:]: from the
-    root, into the child holding the next reference token, while there is one."""
+    root, into the child holding the next reference token, while there is one. (eyas.speculate.decode.verify_greedy
+    walks the same way over the target's argmaxes; this copy is here for the arctic worker, which runs where eyas
+    cannot be imported.)"""
     kids: dict[int, list[int]] = {}
     for i, p in enumerate(parents):
         kids.setdefault(p, []).append(i)
@@ -79,11 +81,13 @@ class Arctic:
     the prompt starts a request, every new token joins its response, the last `depth` tokens are the pattern."""
 
     def __init__(self, k: int, depth: int = 24, factor: float = 1.0, min_prob: float = 0.1):
+        self.k, self.depth, self.factor, self.min_prob = k, depth, factor, min_prob
+        self.forget()
+
+    def forget(self):
         from arctic_inference.suffix_decoding import SuffixDecodingCache
 
-        self.cache, self.k, self.depth, self.factor, self.min_prob = (
-            SuffixDecodingCache(max_tree_depth=depth, max_cached_requests=10000), k, depth, factor, min_prob)
-        self.request = 0
+        self.cache, self.request = SuffixDecodingCache(max_tree_depth=self.depth, max_cached_requests=10000), 0
 
     def start(self, prompt, gen):
         self.request += 1
@@ -100,9 +104,6 @@ class Arctic:
 
     def finish(self):
         self.cache.stop_request(self.request)
-
-    def forget(self):
-        self.__init__(self.k, self.depth, self.factor, self.min_prob)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--arctic-worker"]:  # in vLLM's environment: no eyas there
@@ -160,11 +161,13 @@ class EyasDrafter:
 def references(a: ReplayConfig, extra: int) -> dict:
     """Every turn's prompt and greedy reply (max_new_tokens + `extra`, for the last round's look past the limit),
     in evaluate's order after its warm-up; the second turn follows the first's reply cut at max_new_tokens."""
+    from vllm_judge import bench_turns  # (this folder: the turns as the judge and evaluate build them)
+
     from eyas.core.precision import FULL
     from eyas.core.target import load_target
     from eyas.data.chat import ChatRenderer
     from eyas.speculate.decode import plain_generate
-    from eyas.speculate.evaluate import load_bench, stop_ids
+    from eyas.speculate.evaluate import stop_ids
     from eyas.speculate.target_forward import make_runner
 
     key = {"target": a.target, "bench": a.bench, "num_prompts": a.num_prompts, "per_category": a.per_category,
@@ -175,21 +178,12 @@ def references(a: ReplayConfig, extra: int) -> dict:
     runner = make_runner(target, target.default_feature_layers())
     renderer = ChatRenderer(target.tokenizer)
     stop = stop_ids(target, renderer)
-    items = load_bench(a.bench, a.num_prompts, a.per_category)
-    warm = renderer.prompt_ids([{"role": "user", "content": items[0].turns[0]}])
+    turns = bench_turns(a, target, runner, renderer, stop, extra,
+                        lambda n: print(f"references: {n} turns", end="\r", flush=True))
+    warm = turns[0]["prompt"]  # evaluate warms up on the first turn's prompt
     rows = [{"id": "warm-up", "prompt": warm, "max_new": 24,
              "reply": plain_generate(runner, warm, 24 + extra, stop=stop).tokens}]
-    for item in items:
-        messages = []
-        for turn, text in enumerate(item.turns):
-            messages.append({"role": "user", "content": text})
-            prompt = renderer.prompt_ids(messages)
-            reply = plain_generate(runner, prompt, a.max_new_tokens + extra, stop=stop).tokens
-            rows.append({"id": f"{item.id}/{turn + 1}", "prompt": prompt, "reply": reply,
-                         "max_new": a.max_new_tokens})
-            messages.append({"role": "assistant", "content": renderer.clean_reply(
-                target.tokenizer.decode(reply[:a.max_new_tokens], skip_special_tokens=True))})
-        print(f"references: {len(rows) - 1} turns", end="\r", flush=True)
+    rows += [{**t, "max_new": a.max_new_tokens} for t in turns]
     refs = {"key": key, "stop": sorted(stop), "rows": rows}
     if a.refs:
         Path(a.refs).write_text(json.dumps(refs))

@@ -55,30 +55,47 @@ class JudgeConfig:
 WARM_UP = "Name the days of the week, one per line."  # the untimed first request: a prompt of no bench
 
 
+def bench_turns(a, target, runner, renderer, stop: set[int], extra: int | None = None, said=None) -> list[dict]:
+    """Every turn of the bench `a` selects (its bench, num_prompts, per_category, max_new_tokens), as `eyas evaluate`
+    decodes it: {"id", "prompt", "reply"}, a later turn following the target's plain greedy answer to the one
+    before, cut at max_new_tokens. "reply": the greedy reply of max_new_tokens + `extra` tokens on every turn when
+    `extra` is given, else only where a later turn needs it (None on an item's last turn). `said(n)` after each
+    item, n turns done. Also bench/replay_drafters.py's references."""
+    from eyas.speculate.decode import plain_generate
+    from eyas.speculate.evaluate import load_bench
+
+    rows = []
+    for item in load_bench(a.bench, a.num_prompts, a.per_category):
+        messages = []
+        for turn, text in enumerate(item.turns):
+            messages.append({"role": "user", "content": text})
+            prompt = renderer.prompt_ids(messages)
+            later = turn + 1 < len(item.turns)
+            reply = (plain_generate(runner, prompt, a.max_new_tokens + (extra or 0), stop=stop).tokens
+                     if later or extra is not None else None)
+            rows.append({"id": f"{item.id}/{turn + 1}", "prompt": prompt, "reply": reply})
+            if later:  # the next turn follows the target's own answer, as in evaluate
+                messages.append({"role": "assistant", "content": renderer.clean_reply(
+                    target.tokenizer.decode(reply[:a.max_new_tokens], skip_special_tokens=True))})
+        if said:
+            said(len(rows))
+    return rows
+
+
 def prompts_of(a: JudgeConfig, dtype: str) -> tuple[list[list[int]], list[int], str, list[int]]:
     """Every turn's prompt ids as `eyas evaluate` builds them, the stop ids, the target's folder for vLLM, and the
     warm-up prompt's ids."""
     from eyas.core.target import load_target
     from eyas.core.vllm_server import engine_model
     from eyas.data.chat import ChatRenderer
-    from eyas.speculate.decode import plain_generate
-    from eyas.speculate.evaluate import load_bench, stop_ids
+    from eyas.speculate.evaluate import stop_ids
     from eyas.speculate.target_forward import make_runner
 
     target = load_target(a.target, dtype=dtype)
     runner = make_runner(target, target.default_feature_layers())
     renderer = ChatRenderer(target.tokenizer)
     stop = stop_ids(target, renderer)
-    prompts = []
-    for item in load_bench(a.bench, a.num_prompts, a.per_category):
-        messages = []
-        for turn, text in enumerate(item.turns):
-            messages.append({"role": "user", "content": text})
-            prompts.append(renderer.prompt_ids(messages))
-            if turn + 1 < len(item.turns):  # the next turn follows the target's own answer, as in evaluate
-                answer = plain_generate(runner, prompts[-1], a.max_new_tokens, stop=stop).tokens
-                messages.append({"role": "assistant", "content": renderer.clean_reply(
-                    target.tokenizer.decode(answer, skip_special_tokens=True))})
+    prompts = [t["prompt"] for t in bench_turns(a, target, runner, renderer, stop)]
     warmup = renderer.prompt_ids([{"role": "user", "content": WARM_UP}])
     return prompts, sorted(stop), engine_model(a.target)[0], warmup
 
