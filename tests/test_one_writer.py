@@ -18,6 +18,9 @@ from tests.test_regenerate_workers import alive, children
 from tests.train_fakes import write_store
 
 ENTRY = str(Path(__file__).parent / "train_entry.py")
+# a run these tests stop or kill: long enough (minutes) that it cannot finish first on a fast machine, where
+# 50 epochs ended in 8 s, before a second launch reached the lock
+LONG = ["--epochs", "5000"]
 SMALL = ["--target", "tiny", "--threads", "1", "--draft-vocab", "512", "--ttt-steps", "2", "--quiet"]
 
 
@@ -89,12 +92,12 @@ def torchrun(args, port=None):
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads child processes from /proc (Linux)")
 def test_a_second_torchrun_is_refused_on_every_rank_and_a_killed_launchers_ranks_stop(store, tmp_path):
     out = tmp_path / "run"
-    first = torchrun(["--store", str(store), "--out", str(out), "--epochs", "50", *SMALL])
+    first = torchrun(["--store", str(store), "--out", str(out), *LONG, *SMALL])
     try:
         wait_for_training(first, out)
         # a second launch on the same run folder, and a --resume beside it: both refused on both ranks, no hang
         for extra in ([], ["--resume"]):
-            second = torchrun(["--store", str(store), "--out", str(out), "--epochs", "50", *SMALL, *extra])
+            second = torchrun(["--store", str(store), "--out", str(out), *LONG, *SMALL, *extra])
             _, err = second.communicate(timeout=120)
             assert second.returncode != 0
             assert err.count("another eyas run is writing") == 2, err[-3000:]  # rank 0's refusal, on each rank
@@ -119,7 +122,7 @@ def test_sigterm_stops_a_stage_with_its_resume_hint(store, tmp_path):
     resumes it, not a silent death."""
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "eyas", "train", "--store", str(store), "--out", str(out),
-                             "--epochs", "50", "--checkpoint-every", "2", *SMALL],
+                             *LONG, "--checkpoint-every", "2", *SMALL],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     wait_for_training(proc, out)
@@ -136,7 +139,7 @@ def test_a_stopped_eyas_torchrun_ends_in_one_line_with_the_resume_hint(store, tm
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "eyas.torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), "-m", "eyas", "train", "--store", str(store), "--out", str(out),
-           "--epochs", "50", "--checkpoint-every", "2", *SMALL]
+           *LONG, "--checkpoint-every", "2", *SMALL]
     proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
