@@ -48,7 +48,7 @@ def replay(refs: dict, drafter) -> dict:
     rounds of the rows that count (not the warm-up), each a token and the draft tokens accepted before it."""
     stop = set(refs["stop"])
     accepted: list[int] = []
-    drafted = 0
+    drafted = proposed = 0
     for row in refs["rows"]:
         prompt, ref, max_new = row["prompt"], row["reply"], row["max_new"]
         gen = ref[:1]  # the first token comes from the prefill
@@ -68,12 +68,14 @@ def replay(refs: dict, drafter) -> dict:
             if row["id"] != "warm-up":
                 accepted.append(len(path))
                 drafted += bool(tokens)
+                proposed += len(tokens)
         drafter.finish()
         if row["id"] == "warm-up":  # as evaluate does after its warm-up (vLLM's judge warms up on another prompt)
             drafter.forget()
     n = len(accepted)
     return {"rounds": n, "tau": 1 + sum(accepted) / n, "drafted": drafted,
-            "tau_drafted": 1 + sum(accepted) / drafted if drafted else None, "accepted": accepted}
+            "tau_drafted": 1 + sum(accepted) / drafted if drafted else None, "rows": 1 + proposed / n,
+            "accepted": accepted}
 
 
 class Arctic:
@@ -219,9 +221,11 @@ def main() -> None:
         print(f"arctic's suffix cache: left out, {why} (VLLM_SUFFIX=1 bash scripts/setup-vllm.sh builds it in "
               "vLLM's environment)")
     print(f"{len(refs['rows']) - 1} turns of {a.bench}, {a.max_new_tokens} new tokens at most, temperature 0")
-    print(f"{'drafter':<40} {'rounds':>7} {'tau':>6} {'drafted':>8} {'tau drafted':>12}")
+    print(f"{'drafter':<40} {'rounds':>7} {'tau':>6} {'drafted':>8} {'tau drafted':>12} {'rows/round':>11}")
     for r in results:
-        print(f"{r['name']:<40} {r['rounds']:>7} {r['tau']:>6.3f} {r['drafted']:>8} {r['tau_drafted'] or 0:>12.3f}")
+        print(f"{r['name']:<40} {r['rounds']:>7} {r['tau']:>6.3f} {r['drafted']:>8} {r['tau_drafted'] or 0:>12.3f}"
+              f" {r['rows']:>11.2f}")
+    print("rows/round: the rows each round's verification forward takes (the token, and every token proposed)")
 
 
 if __name__ == "__main__":

@@ -245,6 +245,32 @@ def test_greedy_speculation_with_widened_verification_equals_greedy_decoding(tin
         assert speculative_generate(runner, drafter, prompt, NEW).tokens == ref, kind
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_rows_do_not_depend_on_the_row_count(dtype):
+    """The CPU attention of a verification: each of T query rows over a prefix of S keys and the T new ones
+    (causal among them) equals, bit for bit, a one-row call over the keys that row sees, at prefixes on either
+    side of the kernel's key blocks and every row count a round verifies; GQA heads as SmolLM2's. The float32
+    path a GPU takes (_attend_fp32, run here on CPU tensors) computes the same attention, to rounding."""
+    from eyas.speculate.target_forward import _attend, _attend_fp32, _rep_mask
+
+    g = torch.Generator().manual_seed(5)
+    nh, nkv, d = 9, 3, 64
+    for prefix in (1, 37, 509, 600):
+        for rows in (2, 3, 8, 16):
+            n = prefix + rows
+            q = torch.randn(1, nh, rows, d, generator=g).to(dtype)
+            k, v = (torch.randn(1, nkv, n, d, generator=g).to(dtype).double() for _ in range(2))
+            mask = attention_mask(prefix, None, rows, "cpu")
+            out = _attend(q, k, v, mask)
+            assert out.dtype == dtype
+            gpu = _attend_fp32(q, k.to(dtype), v.to(dtype), _rep_mask(mask, nh // nkv))
+            tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+            torch.testing.assert_close(gpu, out, rtol=tol, atol=tol)
+            for t in range(rows):
+                one = _attend(q[:, :, t:t + 1], k[:, :, :prefix + t + 1], v[:, :, :prefix + t + 1], None)
+                assert torch.equal(out[:, :, t:t + 1], one), (prefix, rows, t)
+
+
 def test_bf16_speculation_reproduces_bf16_greedy_decoding_bit_for_bit():
     """In bf16 a forward over q tokens must compute each row as a one-token step does
     (eyas.speculate.target_forward._attend), or near-tied logits flip and speculation drifts from plain decoding.

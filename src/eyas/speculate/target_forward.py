@@ -165,33 +165,42 @@ def _widened(ids, positions, tree, w: int):
     return ids, positions, tree
 
 
-def _attend(q, k, v, mask) -> torch.Tensor:  # mask: [1,1,rep*T,S], already repeated per query head (_rep_mask)
+def _attend(q, k, v, mask) -> torch.Tensor:
     """Attention in which every query row is computed exactly as a one-token decoding step computes it, so that a
     verification over q tokens reproduces plain decoding bit for bit (greedy speculation is then lossless in bf16
-    too, not only in exact arithmetic). q [1,nh,T,d], k/v [1,nkv,S,d], mask [1,1,T,S] or None -> [1,nh,T,d].
+    too, not only in exact arithmetic). q [1,nh,T,d] in the model dtype, k/v [1,nkv,S,d] (float64 on a CPU: the
+    runner's cache holds the model-dtype keys and values exactly in float64), mask [1,1,T,S] (True = may attend)
+    or None -> [1,nh,T,d] in q's dtype.
 
-    - scores q.k by the model-dtype matmul: each score is one d-long dot product, the same for any T and S
-      (bf16 matmuls are row-invariant on CPU; SDPA's fused kernel is not: its blocking depends on T);
-    - softmax and the weighted sum of values in float64: masked keys add exact zeros, and a different row length or
-      order of summation changes the float64 result by ~1e-16, never the rounding to the model dtype.
-    The rep query heads sharing a kv head are laid out as rep*T rows of that head (HF's repeat_kv maps head h to
-    kv head h // rep), so k and v are never copied per head.
-    On a GPU the softmax and the sum run in float32 instead: GPU matmuls promise no row invariance to keep, and
+    On a CPU, torch's fused attention in float64: scores, softmax and the weighted sum of values in one kernel
+    (the query heads sharing a kv head read it in place, enable_gqa), keys blocked by their position, not by T.
+    Masked keys add exact zeros, and another row count or key count changes a row's float64 result by ~1e-16,
+    far below the rounding to the model dtype; in float32 or bf16 the same kernel blocks its products by T, and
+    rows differ in the last place (on a Xeon with AMX every float32 row of 42, 12 bf16 rows of 42:
+    bench/bench_attention.py; tests/test_speculate.py, test_attention_rows_do_not_depend_on_the_row_count).
+    Off a CPU the runner calls _attend_fp32 instead: GPU matmuls promise no row invariance to keep, and
     float64 runs at 1/2 to 1/64 of float32's rate there (the lossless check's fp32 replay settles near-ties)."""
+    out = F.scaled_dot_product_attention(q.to(torch.float64), k, v, attn_mask=mask, enable_gqa=True)
+    return out.to(q.dtype)
+
+
+def _attend_fp32(q, k, v, mask) -> torch.Tensor:  # mask: [1,1,rep*T,S], True = masked (_rep_mask)
+    """_attend off a CPU: the scores by the model-dtype matmul, softmax and the sum of values in float32. The rep
+    query heads sharing a kv head are laid out as rep*T rows of that head (HF's repeat_kv maps head h to kv head
+    h // rep), so k and v are never copied per head."""
     _, nh, T, d = q.shape
     nkv = k.shape[1]
     rep = nh // nkv
-    acc = torch.float64 if q.device.type == "cpu" else torch.float32
     qg = q.reshape(1, nkv, rep * T, d)  # row r*T + t = head g*rep + r, token t
-    scores = torch.matmul(qg, k.transpose(-1, -2)).to(acc) * d ** -0.5  # [1,nkv,rep*T,S]
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * d ** -0.5  # [1,nkv,rep*T,S]
     if mask is not None:
         scores = scores.masked_fill(mask, float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), v.to(acc))  # [1,nkv,rep*T,d]
+    out = torch.matmul(torch.softmax(scores, dim=-1), v.float())  # [1,nkv,rep*T,d]
     return out.to(q.dtype).reshape(1, nh, T, d)
 
 
 def _rep_mask(mask: torch.Tensor | None, rep: int) -> torch.Tensor | None:
-    """attention_mask [1,1,T,S] (True = may attend) -> masked keys per query row of _attend [1,1,rep*T,S]."""
+    """attention_mask [1,1,T,S] (True = may attend) -> masked keys per query row of _attend_fp32 [1,1,rep*T,S]."""
     return None if mask is None else ~mask.repeat(1, 1, rep, 1)
 
 
@@ -267,6 +276,10 @@ class LeanRunner(TargetRunner):
         # fused weights: [q|k|v] and [gate|up], one matmul each instead of three and two (copies; ~60% of the weights)
         self.wqkv, self.bqkv, self.wgu = fuse_projections(self.layers)
         self.capacity = 0
+        # on a CPU the cache keeps keys and values in float64 (exactly the model-dtype values written), the dtype
+        # _attend computes in there: no conversion of the whole prefix at every layer of every forward; 2x the
+        # float32 cache's memory (SmolLM2-135M at 2,048 positions: 189 MB), 4x bf16's
+        self.cache_dtype = torch.float64 if self.device.type == "cpu" else self.target.dtype
         self.k = self.v = None
         self._ensure(capacity)
         self.projections, self.linear_choice = Projections.of("torch"), ""  # how projections are computed, and why
@@ -342,7 +355,7 @@ class LeanRunner(TargetRunner):
             return
         cap = max(needed, 2 * self.capacity, 256)
         shape = (len(self.layers), 1, self.nkv, cap, self.hd)
-        k = torch.empty(shape, dtype=self.target.dtype, device=self.device)
+        k = torch.empty(shape, dtype=self.cache_dtype, device=self.device)
         v = torch.empty_like(k)
         if self.k is not None:
             k[..., : self.capacity, :] = self.k
@@ -360,12 +373,17 @@ class LeanRunner(TargetRunner):
         x = body.embed_tokens(ids)[None]  # [1,q,H]
         cos, sin = body.rotary_emb(x, positions[None])  # [1,q,hd]
         cos, sin = cos[:, None], sin[:, None]
-        mask = _rep_mask(attention_mask(start, tree, q, x.device), self.nh // self.nkv)
+        mask = attention_mask(start, tree, q, x.device)
         feats = [x] if 0 in self.feature_layers else []
         linear = self.projections
+        if self.device.type == "cpu":
+            def exact(qs, ks, vs):
+                return _attend(qs, ks, vs, mask)
+        else:
+            masked = _rep_mask(mask, self.nh // self.nkv)
 
-        def exact(qs, ks, vs):
-            return _attend(qs, ks, vs, mask)
+            def exact(qs, ks, vs):
+                return _attend_fp32(qs, ks, vs, masked)
 
         for i, layer in enumerate(self.layers):
             x = layer_forward(layer, (self.wqkv[i], self.bqkv[i], self.wgu[i]), (self.nh, self.nkv, self.hd), x,
