@@ -6,7 +6,8 @@ side by side in one run:
 - why float64: of the rows of a T-row call, how many differ from a one-row call over the keys that row sees, by
   the fused kernel in float32, bf16 and float64 (random queries and keys, the target's head shapes);
 - one layer's attention by each path, T rows after S keys, alternated;
-- with --forward, the target's whole forward t(q) by each (the same projections), after --prefix tokens.
+- with --forward, the target's whole forward t(q) by each (the same projections), after --prefix tokens, and
+  a prompt's prefill.
 
     python bench/bench_attention.py --forward
 
@@ -171,6 +172,20 @@ def forward(a: AttentionConfig, dtype) -> None:
         b, f = (sorted(times[w][q])[len(times[w][q]) // 2] * 1e3 for w in ("before", "fused"))
         print(f"{q:>4} {b:>8.1f} {f:>10.1f} {b / f:>5.2f}x")
     print(f"largest logit difference between the paths: {worst:.2e} (scores now a float64 product)")
+    print("a prompt's prefill, ms (the fastest of 3 alternated):")
+    print(f"{'tokens':>6} {'before':>8} {'fused f64':>10} {'ratio':>6}")
+    for n in (300, 800, 1600):
+        prompt = torch.randint(0, target.vocab_size, (n,), generator=g)
+        best = {"before": float("inf"), "fused": float("inf")}
+        for _ in range(3):
+            for name, runner in (("before", before), ("fused", fused)):
+                runner.reset()
+                with attention(tf, split_fp64) if name == "before" else contextlib.nullcontext():
+                    t0 = time.perf_counter()
+                    runner.prefill(prompt)
+                    best[name] = min(best[name], time.perf_counter() - t0)
+        b, f = best["before"], best["fused"]
+        print(f"{n:>6} {b * 1e3:>8.0f} {f * 1e3:>10.0f} {b / f:>5.2f}x")
 
 
 if __name__ == "__main__":
