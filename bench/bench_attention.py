@@ -39,9 +39,14 @@ class AttentionConfig:
     reps: int = opt(200, "calls per timing of one layer's attention")
 
 
-def split_fp64(q, k, v, mask):
-    """The path before 2026-12-06: k, v in the model dtype; True in mask = may attend."""
+def split_fp64(q, k, v, mask, causal=False):
+    """The path before 2026-12-06: k, v in the model dtype; True in mask = may attend (a prompt from the cache's
+    start, causal, as the mask it was)."""
+    from eyas.speculate.target_forward import attention_mask
+
     _, nh, T, d = q.shape
+    if causal:
+        mask = attention_mask(0, None, T, q.device)
     nkv = k.shape[1]
     rep = nh // nkv
     qg = q.reshape(1, nkv, rep * T, d)

@@ -269,6 +269,10 @@ def test_attention_rows_do_not_depend_on_the_row_count(dtype):
             for t in range(rows):
                 one = _attend(q[:, :, t:t + 1], k[:, :, :prefix + t + 1], v[:, :, :prefix + t + 1], None)
                 assert torch.equal(out[:, :, t:t + 1], one), (prefix, rows, t)
+    for n in (2, 37, 600):  # a prompt from the cache's start: the kernel's causal mask, the same rows
+        q = torch.randn(1, nh, n, d, generator=g).to(dtype)
+        k, v = (torch.randn(1, nkv, n, d, generator=g).to(dtype).double() for _ in range(2))
+        assert torch.equal(_attend(q, k, v, None, causal=True), _attend(q, k, v, attention_mask(0, None, n, "cpu")))
 
 
 def test_bf16_speculation_reproduces_bf16_greedy_decoding_bit_for_bit():
