@@ -39,20 +39,27 @@ class AttentionConfig:
     reps: int = opt(200, "calls per timing of one layer's attention")
 
 
+_MADE: dict = {}  # the masks split_fp64 made last: the old runner repeated its mask once per forward, not per layer
+
+
 def split_fp64(q, k, v, mask, causal=False):
     """The path before 2026-12-06: k, v in the model dtype; True in mask = may attend (a prompt from the cache's
     start, causal, as the mask it was)."""
     from eyas.speculate.target_forward import attention_mask
 
     _, nh, T, d = q.shape
-    if causal:
-        mask = attention_mask(0, None, T, q.device)
     nkv = k.shape[1]
     rep = nh // nkv
+    if causal:
+        if _MADE.get("causal", (None,))[0] != T:
+            _MADE["causal"] = (T, attention_mask(0, None, T, q.device))
+        mask = _MADE["causal"][1]
+    if mask is not None and _MADE.get("masked", (None,))[0] is not mask:
+        _MADE["masked"] = (mask, ~mask.repeat(1, 1, rep, 1))
     qg = q.reshape(1, nkv, rep * T, d)
     scores = torch.matmul(qg, k.transpose(-1, -2)).to(torch.float64) * d ** -0.5
     if mask is not None:
-        scores = scores.masked_fill(~mask.repeat(1, 1, rep, 1), float("-inf"))
+        scores = scores.masked_fill(_MADE["masked"][1], float("-inf"))
     out = torch.matmul(torch.softmax(scores, dim=-1), v.to(torch.float64))
     return out.to(q.dtype).reshape(1, nh, T, d)
 
@@ -159,19 +166,22 @@ def forward(a: AttentionConfig, dtype) -> None:
     ids = {q: torch.randint(0, target.vocab_size, (q,), generator=g) for q in qs}
     times = {w: {q: [] for q in qs} for w in ("before", "fused")}
     worst = 0.0
+    def run(name, call):  # -> (seconds, result) of `call` on the runner of `name`, by its attention
+        with attention(tf, split_fp64) if name == "before" else contextlib.nullcontext():
+            t0 = time.perf_counter()
+            out = call(before if name == "before" else fused)
+            return time.perf_counter() - t0, out
+
     for rep in range(8):
         for q in qs:
-            with attention(tf, split_fp64):
-                t0 = time.perf_counter()
-                old, _ = before.forward(ids[q])
-                t1 = time.perf_counter()
-            new, _ = fused.forward(ids[q])
-            t2 = time.perf_counter()
-            if rep:
-                times["before"][q].append(t1 - t0)
-                times["fused"][q].append(t2 - t1)
-            worst = max(worst, (old.float() - new.float()).abs().max().item())
-    print(f"{target.name} {target.dtype}, the whole forward after {a.prefix} tokens (projections by F.linear), ms:")
+            logits = {}
+            for name in (("before", "fused") if rep % 2 else ("fused", "before")):  # alternated
+                t, (logits[name], _) = run(name, lambda r: r.forward(ids[q]))
+                if rep:
+                    times[name][q].append(t)
+            worst = max(worst, (logits["before"].float() - logits["fused"].float()).abs().max().item())
+    print(f"{target.name} {target.dtype}, the whole forward after {a.prefix} tokens (projections by F.linear), ms "
+          "(median of 7, alternated):")
     print(f"{'rows':>4} {'before':>8} {'fused f64':>10} {'ratio':>6}")
     for q in qs:
         b, f = (sorted(times[w][q])[len(times[w][q]) // 2] * 1e3 for w in ("before", "fused"))
@@ -182,13 +192,10 @@ def forward(a: AttentionConfig, dtype) -> None:
     for n in (300, 800, 1600):
         prompt = torch.randint(0, target.vocab_size, (n,), generator=g)
         best = {"before": float("inf"), "fused": float("inf")}
-        for _ in range(3):
-            for name, runner in (("before", before), ("fused", fused)):
-                runner.reset()
-                with attention(tf, split_fp64) if name == "before" else contextlib.nullcontext():
-                    t0 = time.perf_counter()
-                    runner.prefill(prompt)
-                    best[name] = min(best[name], time.perf_counter() - t0)
+        for rep in range(3):
+            for name in (("before", "fused") if rep % 2 else ("fused", "before")):
+                (before if name == "before" else fused).reset()
+                best[name] = min(best[name], run(name, lambda r: r.prefill(prompt))[0])
         b, f = best["before"], best["fused"]
         print(f"{n:>6} {b * 1e3:>8.0f} {f * 1e3:>10.0f} {b / f:>5.2f}x")
 

@@ -97,8 +97,14 @@ def test_a_second_torchrun_is_refused_on_every_rank_and_a_killed_launchers_ranks
         wait_for_training(first, out)
         # a second launch on the same run folder, and a --resume beside it: both refused on both ranks, no hang
         for extra in ([], ["--resume"]):
-            second = torchrun(["--store", str(store), "--out", str(out), *LONG, *SMALL, *extra])
-            _, err = second.communicate(timeout=120)
+            # a short run: were it not refused, it ends in seconds and the assert below says so (no hang)
+            second = torchrun(["--store", str(store), "--out", str(out), "--epochs", "50", *SMALL, *extra])
+            try:
+                _, err = second.communicate(timeout=120)
+            finally:
+                if second.poll() is None:
+                    os.killpg(second.pid, signal.SIGKILL)
+                    second.communicate()
             assert second.returncode != 0
             assert err.count("another eyas run is writing") == 2, err[-3000:]  # rank 0's refusal, on each rank
             assert "pid " in err and "train_entry.py" in err
@@ -125,9 +131,14 @@ def test_sigterm_stops_a_stage_with_its_resume_hint(store, tmp_path):
                              *LONG, "--checkpoint-every", "2", *SMALL],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
-    wait_for_training(proc, out)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    try:
+        wait_for_training(proc, out)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:  # a run that ignored SIGTERM must not go on for its 5,000 epochs
+            proc.kill()
+            proc.communicate()
     assert proc.returncode == 143, err[-3000:]
     assert "eyas: stopped (SIGTERM); completed work is kept. To resume: eyas train" in err and "--resume" in err
     assert "Traceback" not in err
