@@ -28,6 +28,7 @@ from bench_linear import cpu_name  # (this folder)
 from eyas.core.config import opt, parse
 from eyas.core.options import Dtype, dtype_opt, target_opt
 from eyas.core.precision import FULL
+from eyas.speculate.target_forward import attention_mask
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,8 +46,6 @@ _MADE: dict = {}  # the masks split_fp64 made last: the old runner repeated its 
 def split_fp64(q, k, v, mask, causal=False):
     """The path before 2026-12-06: k, v in the model dtype; True in mask = may attend (a prompt from the cache's
     start, causal, as the mask it was)."""
-    from eyas.speculate.target_forward import attention_mask
-
     _, nh, T, d = q.shape
     nkv = k.shape[1]
     rep = nh // nkv
@@ -67,8 +66,6 @@ def split_fp64(q, k, v, mask, causal=False):
 def differing_rows(dtype, kernel, heads, g) -> tuple[int, int]:
     """Rows of T-row fused calls (inputs in `dtype`, computed in `kernel`, rounded back to `dtype`) unequal to the
     one-row call over the same keys, and rows compared."""
-    from eyas.speculate.target_forward import attention_mask
-
     nh, nkv, d = heads
     bad = total = 0
     for prefix in (37, 600, 1001):
@@ -105,7 +102,7 @@ def timed(fn, reps: int) -> float:
 def main() -> None:
     a = parse(AttentionConfig, description=__doc__.split("\n\n")[0])
     from eyas.core.weights import load_target_shell
-    from eyas.speculate.target_forward import _attend, attention_mask
+    from eyas.speculate.target_forward import _attend
 
     print(f"{cpu_name()}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f} before")
     dtype = getattr(torch, FULL.get(a.dtype, "float32"))

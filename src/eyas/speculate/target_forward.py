@@ -376,18 +376,16 @@ class LeanRunner(TargetRunner):
         x = body.embed_tokens(ids)[None]  # [1,q,H]
         cos, sin = body.rotary_emb(x, positions[None])  # [1,q,hd]
         cos, sin = cos[:, None], sin[:, None]
-        mask = attention_mask(start, tree, q, x.device)
         feats = [x] if 0 in self.feature_layers else []
         linear = self.projections
         if self.device.type == "cpu":
             causal = start == 0 and tree is None and q > 1  # a prompt from the start: causal over all its keys
-            if causal:
-                mask = None
+            mask = None if causal else attention_mask(start, tree, q, x.device)
 
             def exact(qs, ks, vs):
                 return _attend(qs, ks, vs, mask, causal)
         else:
-            masked = _rep_mask(mask, self.nh // self.nkv)
+            masked = _rep_mask(attention_mask(start, tree, q, x.device), self.nh // self.nkv)
 
             def exact(qs, ks, vs):
                 return _attend_fp32(qs, ks, vs, masked)
