@@ -152,7 +152,7 @@ def forward(a: AttentionConfig, dtype) -> None:
     plan = ((1, "torch"),)
     fused = tf.LeanRunner(target, target.default_feature_layers(), linear=plan)
     before = tf.LeanRunner(target, target.default_feature_layers(), linear=plan)
-    before.cache_dtype, before.k, before.v, before.capacity = target.dtype, None, None, 0
+    before.cache_dtype, before.k, before.v, before.capacity = target.dtype, [], [], 0
     before._ensure(2048)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, target.vocab_size, (a.prefix,), generator=g)

@@ -143,6 +143,45 @@ def test_plain_generate_equals_transformers_generate(tiny_target, refs, impl):
         assert plain_generate(runner, prompt, NEW).tokens == ref
 
 
+@pytest.fixture(scope="module")
+def compiled_runner(tiny_target):
+    """One compiled lean runner for the module (torch.compile keeps its graphs by code and guards them on the
+    runner, so each new runner would compile again), F.linear below 3 rows and packed products from 3 on where this
+    CPU has them: both kinds inside one graph."""
+    plan = "torch" if PACKING else ((1, "torch"), (3, "packed"))
+    return LeanRunner(tiny_target, tiny_target.default_feature_layers(), linear=plan, compile=True)
+
+
+def test_a_compiled_runner_computes_the_eager_rows_in_one_graph_and_stays_lossless(tiny_target, refs, compiled_runner):
+    """Its decoding forwards (one row, a chain, a tree) are compiled whole (fullgraph: a graph break raises) and
+    return the logits and features of an eager runner with the same projections to rounding; greedy speculation
+    with it, by the draft's chain and by suffix decoding, equals greedy decoding."""
+    from torch._dynamo.utils import counters
+
+    compiled = compiled_runner
+    eager = LeanRunner(tiny_target, tiny_target.default_feature_layers(), linear=compiled.projections.plan)
+    g = torch.Generator().manual_seed(3)
+    prefix = torch.randint(0, 40000, (11,), generator=g)
+    parents = random_parents(6, g)
+    tree = (torch.randint(0, 40000, (7,), generator=g), 11 + torch.tensor([0] + Proposal(
+        torch.zeros(6), parents).depths()), tree_mask(parents))
+    chain, one = torch.randint(0, 40000, (4,), generator=g), torch.randint(0, 40000, (1,), generator=g)
+    graphs = counters["stats"]["unique_graphs"]
+    for r in (eager, compiled):
+        r.reset()
+        r.prefill(prefix)
+    for args in (tree, (chain,), (one,), (chain,)):
+        (want, want_f), (got, got_f) = eager.forward(*args), compiled.forward(*args)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_f, want_f, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert counters["stats"]["unique_graphs"] - graphs >= 2  # one row, and several: compiled, not run eagerly
+    for kind in ("trained-chain", "suffix"):
+        drafter = _drafter(kind, tiny_target)
+        for prompt, ref in refs:
+            assert speculative_generate(compiled, drafter, prompt, NEW).tokens == ref, kind
+
+
 def _drafter(kind, target):
     chain, tree = 4, TreeShape(topk=3, depth=4, size=10)
     if kind.startswith("oracle"):

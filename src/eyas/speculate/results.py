@@ -173,7 +173,8 @@ def aggregate(cfg, target, draft, runner, items, methods, records, latency) -> d
 
     return {"settings": settings,
             "target": {**target.identity(), "dtype": str(target.dtype).removeprefix("torch."),
-                       "device": str(target.device), "runner": type(runner).__name__,
+                       "device": str(target.device),
+                       "runner": type(runner).__name__ + (" (compiled)" if getattr(runner, "compiled", False) else ""),
                        "projections": getattr(runner, "linear_choice", "the model's own modules")},
             "draft": {"path": cfg.draft, "feature_layers": list(draft.cfg.feature_layers),
                       "draft_vocab_size": draft.cfg.draft_vocab_size, "num_layers": draft.cfg.num_layers},

@@ -30,11 +30,20 @@ a single row doubled) or oneDNN over weights packed once (packed_linear), whiche
 machine: on that EPYC in float32 few_rows_linear made t(1) 36 ms against 65; on an Intel Xeon with AMX packed
 weights made every forward's products 1.5x faster in bf16, and those of 4 rows or more in float32
 (docs/evaluate.md).
+
+Compiled (`LeanRunner(compile=True)`, `eyas evaluate --compile`): the forwards after a prompt run as torch.compile
+graphs (one for a single row, one for any other row count; fullgraph, so a graph break fails loudly) with dynamic
+cache lengths. Inductor fuses the norms, rotary embeddings, casts and the gated activation; the projections stay the
+runner's own, called through the `eyas::projection` operator the compiler does not trace. The cache is one tensor
+per layer, written in place by the graph.
 """
 
 from __future__ import annotations
 
+import shutil
 import time
+import weakref
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +51,7 @@ import torch.nn.functional as F
 from eyas.core.errors import EyasError
 from eyas.models.llama import (
     FEW_ROWS,
+    LEAN_MODEL_TYPES,
     few_rows_linear,
     fuse_projections,
     layer_forward,
@@ -207,6 +217,23 @@ def _rep_mask(mask: torch.Tensor | None, rep: int) -> torch.Tensor | None:
     return None if mask is None else ~mask.repeat(1, 1, rep, 1)
 
 
+_RUNNERS: "weakref.WeakValueDictionary[int, LeanRunner]" = weakref.WeakValueDictionary()  # compiled, by id
+
+
+@torch.library.custom_op("eyas::projection", mutates_args=())
+def _projection(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], runner: int) -> torch.Tensor:
+    """x @ w.T (+ b) in a compiled forward of the lean runner `runner` (its id), by that runner's current
+    Projections: an operator the compiler calls but does not trace, so the packed copies (looked up by the weight)
+    and the choice by row count work in a graph of any row count, as in an eager forward."""
+    return _RUNNERS[runner].projections(x, w, b).contiguous()  # few-rows' one row is a view of two: the layout
+    # the graph was compiled for is the fake's
+
+
+@_projection.register_fake
+def _(x, w, b, runner):
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
 class TargetRunner:
     """Shared bookkeeping: committed length, feature layer ids, timing of every forward (seconds)."""
 
@@ -269,13 +296,16 @@ class TargetRunner:
 class LeanRunner(TargetRunner):
     """A Llama-family decoder over the HF modules' weights with a preallocated cache [L,1,nkv,cap,hd]."""
 
-    def __init__(self, target, feature_layers, capacity: int = 2048, linear: "str | tuple" = "torch"):
+    def __init__(self, target, feature_layers, capacity: int = 2048, linear: "str | tuple" = "torch",
+                 compile: bool = False):
         super().__init__(target, feature_layers)
         cfg = target.text_config
         self.nh, self.nkv = (int(cfg.num_attention_heads),
                              int(getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)))
         self.hd = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.nh)
         self.layers = list(target.decoder_layers())
+        self._keeps = [i + 1 in self.feature_layers for i in range(len(self.layers))]
+        self._keeps_embedding = 0 in self.feature_layers
         # fused weights: [q|k|v] and [gate|up], one matmul each instead of three and two (copies; ~60% of the weights)
         self.wqkv, self.bqkv, self.wgu = fuse_projections(self.layers)
         self.capacity = 0
@@ -283,9 +313,24 @@ class LeanRunner(TargetRunner):
         # _attend computes in there: no conversion of the whole prefix at every layer of every forward; 2x the
         # float32 cache's memory (SmolLM2-135M at 2,048 positions: 189 MB), 4x bf16's
         self.cache_dtype = torch.float64 if self.device.type == "cpu" else self.target.dtype
-        self.k = self.v = None
+        self.k: list[torch.Tensor] = []  # per layer [1,nkv,cap,hd]: one tensor each, so a compiled forward
+        self.v: list[torch.Tensor] = []  # writes its columns in place (no copy of a shared base)
         self._ensure(capacity)
         self.projections, self.linear_choice = Projections.of("torch"), ""  # how projections are computed, and why
+        # compiled: the decoding forwards (after a prompt) run as one torch.compile graph each (fullgraph: a graph
+        # break is an error, not a silent fallback): inductor's kernels for everything between the projections,
+        # which stay the runner's own (`_projection`: opaque to the compiler, by the current plan)
+        self.compiled = bool(compile)
+        self._decode_layers = self._layers
+        if self.compiled and self.device.type == "cpu" and not any(map(shutil.which, ("g++", "c++", "clang++"))):
+            raise EyasError("a compiled forward asked for", "torch.compile builds its CPU kernels with a C++ "
+                            "compiler and none is on PATH (g++, c++, clang++)",
+                            "install one (Debian: apt install g++), or leave out --compile")
+        if self.compiled:
+            _RUNNERS[id(self)] = self
+            for w in (*self.wqkv, *self.wgu, *(b for b in self.bqkv if b is not None)):
+                torch._dynamo.mark_static(w)  # the weights' shapes are constants: only rows and lengths vary
+            self._decode_layers = torch.compile(self._layers, dynamic=True, fullgraph=True)
         self.choose_linear(linear)
 
     def _weights(self) -> list[torch.Tensor]:
@@ -357,43 +402,63 @@ class LeanRunner(TargetRunner):
         if needed <= self.capacity:
             return
         cap = max(needed, 2 * self.capacity, 256)
-        shape = (len(self.layers), 1, self.nkv, cap, self.hd)
-        k = torch.empty(shape, dtype=self.cache_dtype, device=self.device)
-        v = torch.empty_like(k)
-        if self.k is not None:
-            k[..., : self.capacity, :] = self.k
-            v[..., : self.capacity, :] = self.v
-        self.k, self.v, self.capacity = k, v, cap
+        shape = (1, self.nkv, cap, self.hd)
+        for cache in (self.k, self.v):
+            for i in range(len(self.layers)):
+                grown = torch.empty(shape, dtype=self.cache_dtype, device=self.device)
+                for dim in (0, 1, 3):  # only the length is ever another size (a compiled forward's symbol)
+                    torch._dynamo.mark_static(grown, dim)
+                if len(cache) > i:
+                    grown[:, :, : self.capacity] = cache[i]
+                    cache[i] = grown
+                else:
+                    cache.append(grown)
+        self.capacity = cap
 
     def _reset_cache(self) -> None:
         pass  # entries past `length` are overwritten, never read
 
     def _forward(self, ids, positions, tree, last_only):
         q, start = ids.shape[0], self.length
-        end = start + q
-        self._ensure(end)
+        self._ensure(start + q)
+        causal = self.device.type == "cpu" and start == 0 and tree is None and q > 1  # a prompt from the start
+        mask = None if causal else attention_mask(start, tree, q, ids.device)
+        if mask is not None and self.device.type != "cpu":
+            mask = _rep_mask(mask, self.nh // self.nkv)
+        # a prompt runs once per request (uncompiled: its shapes would each compile anew); decoding steps compiled
+        layers = self._layers if start == 0 or last_only else self._decode_layers
+        return layers(ids, positions, mask, start, causal, last_only, self.k, self.v)
+
+    def _layers(self, ids, positions, mask, start: int, causal: bool, last_only: bool, ks: list, vs: list):
+        """The decoder over q new tokens written at cache columns start..start+q: (logits, features). mask: from
+        attention_mask (CPU) or _rep_mask (elsewhere), None for one row or a causal prompt."""
         body = self.model.model
         x = body.embed_tokens(ids)[None]  # [1,q,H]
         cos, sin = body.rotary_emb(x, positions[None])  # [1,q,hd]
         cos, sin = cos[:, None], sin[:, None]
-        feats = [x] if 0 in self.feature_layers else []
-        linear = self.projections
-        if self.device.type == "cpu":
-            causal = start == 0 and tree is None and q > 1  # a prompt from the start: causal over all its keys
-            mask = None if causal else attention_mask(start, tree, q, x.device)
-
-            def exact(qs, ks, vs):
-                return _attend(qs, ks, vs, mask, causal)
+        feats = [x] if self._keeps_embedding else []
+        if self.device.type != "cpu":
+            def attend(qs, k, v):
+                return _attend_fp32(qs, k, v, mask)
+        elif causal:  # a Python branch, not a flag: a compiled graph keeps no symbolic bool in the kernel's call
+            def attend(qs, k, v):
+                return _attend(qs, k, v, None, True)
         else:
-            masked = _rep_mask(attention_mask(start, tree, q, x.device), self.nh // self.nkv)
-
-            def exact(qs, ks, vs):
-                return _attend_fp32(qs, ks, vs, masked)
-
+            def attend(qs, k, v):
+                return _attend(qs, k, v, mask)
+        if self.compiled:  # the plan is read by the operator, never by the graph: a new plan compiles nothing
+            def linear(x, w, b=None):
+                return torch.ops.eyas.projection(x, w, b, id(self))
+        else:
+            linear = self.projections
+        # the head counts from static shapes, not from attributes: a compiled graph would take attributes' ints
+        # for symbols, and relate them to the row count
+        nkv, hd = ks[0].shape[1], ks[0].shape[3]
+        heads = (self.layers[0].self_attn.o_proj.weight.shape[1] // hd, nkv, hd)
         for i, layer in enumerate(self.layers):
-            x = layer_forward(layer, (self.wqkv[i], self.bqkv[i], self.wgu[i]), (self.nh, self.nkv, self.hd), x,
-                              cos, sin, self.k[i], self.v[i], start, exact, linear)
-            if i + 1 in self.feature_layers:
+            x = layer_forward(layer, (self.wqkv[i], self.bqkv[i], self.wgu[i]), heads, x, cos, sin, ks[i],
+                              vs[i], start, attend, linear)
+            if self._keeps[i]:
                 feats.append(x)
         if last_only:
             x = x[:, -1:]
@@ -404,8 +469,8 @@ class LeanRunner(TargetRunner):
     def _gather(self, rows: list[int]) -> None:
         src = torch.tensor(rows, device=self.device) + self.length
         n = len(rows)
-        self.k[..., self.length:self.length + n, :] = self.k[..., src, :]  # index first: a copy, safe to overlap
-        self.v[..., self.length:self.length + n, :] = self.v[..., src, :]
+        for cache in (*self.k, *self.v):
+            cache[:, :, self.length:self.length + n] = cache[:, :, src]  # index first: a copy, safe to overlap
 
 
 class HFRunner(TargetRunner):
@@ -463,11 +528,16 @@ class HFRunner(TargetRunner):
 
 
 def make_runner(target, feature_layers, impl: str = "auto", capacity: int = 2048,
-                linear: "str | tuple" = "auto") -> TargetRunner:
+                linear: "str | tuple" = "auto", compile: bool = False) -> TargetRunner:
     """The lean runner for Llama-family targets (its projections by `linear`, a kind or a plan:
-    LeanRunner.choose_linear), the HF one otherwise (or when impl='hf')."""
+    LeanRunner.choose_linear; its decoding forwards compiled with `compile`), the HF one otherwise (or when
+    impl='hf')."""
     if impl == "lean" or (impl == "auto" and supports(target)):
-        return LeanRunner(target, feature_layers, capacity, linear)
+        return LeanRunner(target, feature_layers, capacity, linear, compile)
+    if compile:
+        raise EyasError("a compiled target forward asked for", "only the lean runner (Llama-family targets: "
+                        f"{', '.join(sorted(LEAN_MODEL_TYPES))}) compiles its forward; this target runs by HF's",
+                        "leave out --compile")
     return HFRunner(target, feature_layers)
 
 
