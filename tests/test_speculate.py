@@ -147,39 +147,64 @@ def test_plain_generate_equals_transformers_generate(tiny_target, refs, impl):
 def compiled_runner(tiny_target):
     """One compiled lean runner for the module (torch.compile keeps its graphs by code and guards them on the
     runner, so each new runner would compile again), F.linear below 3 rows and packed products from 3 on where this
-    CPU has them: both kinds inside one graph."""
+    CPU has them: both kinds inside one graph. Its cache starts at the least capacity, to be grown."""
     plan = "torch" if PACKING else ((1, "torch"), (3, "packed"))
-    return LeanRunner(tiny_target, tiny_target.default_feature_layers(), linear=plan, compile=True)
+    return LeanRunner(tiny_target, tiny_target.default_feature_layers(), capacity=1, linear=plan, compiled=True)
 
 
-def test_a_compiled_runner_computes_the_eager_rows_in_one_graph_and_stays_lossless(tiny_target, refs, compiled_runner):
-    """Its decoding forwards (one row, a chain, a tree) are compiled whole (fullgraph: a graph break raises) and
-    return the logits and features of an eager runner with the same projections to rounding; greedy speculation
-    with it, by the draft's chain and by suffix decoding, equals greedy decoding."""
+class CountingProjections(Projections):
+    """The runner's plan, counting the rows of every product it computes."""
+
+    def __init__(self, plan, packed):
+        super().__init__(plan)
+        self.packed, self.rows = packed, []
+
+    def __call__(self, x, w, b=None):
+        self.rows.append(x.numel() // x.shape[-1])
+        return super().__call__(x, w, b)
+
+
+def test_a_compiled_runner_computes_the_eager_rows_in_two_graphs_and_stays_lossless(tiny_target, refs,
+                                                                                    compiled_runner):
+    """Its forwards after the prompt (one row, chains of 2 to 7 rows, a tree) run as exactly two graphs (fullgraph:
+    a graph break raises), which call the runner's own projections (a new plan compiles nothing), grow the cache
+    past its capacity, and return an eager runner's logits and features to rounding; greedy speculation with it, by
+    the draft's chain and by suffix decoding, equals greedy decoding."""
     from torch._dynamo.utils import counters
 
     compiled = compiled_runner
     eager = LeanRunner(tiny_target, tiny_target.default_feature_layers(), linear=compiled.projections.plan)
+    counting = CountingProjections(compiled.projections.plan, compiled.projections.packed)
     g = torch.Generator().manual_seed(3)
-    prefix = torch.randint(0, 40000, (11,), generator=g)
+    prefix = torch.randint(0, 40000, (240,), generator=g)  # the cache holds 256: the chains below grow it
     parents = random_parents(6, g)
-    tree = (torch.randint(0, 40000, (7,), generator=g), 11 + torch.tensor([0] + Proposal(
+    tree = (torch.randint(0, 40000, (7,), generator=g), 240 + torch.tensor([0] + Proposal(
         torch.zeros(6), parents).depths()), tree_mask(parents))
-    chain, one = torch.randint(0, 40000, (4,), generator=g), torch.randint(0, 40000, (1,), generator=g)
     graphs = counters["stats"]["unique_graphs"]
     for r in (eager, compiled):
         r.reset()
         r.prefill(prefix)
-    for args in (tree, (chain,), (one,), (chain,)):
+    compiled.projections = counting  # read at every product, not compiled in
+    steps = [tree] + [(torch.randint(0, 40000, (q,), generator=g),) for q in (1, 4, 2, 7, 1, 3, 5, 1, 4)]
+    for args in steps:
         (want, want_f), (got, got_f) = eager.forward(*args), compiled.forward(*args)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got_f, want_f, rtol=1e-5, atol=1e-5)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
-    assert counters["stats"]["unique_graphs"] - graphs >= 2  # one row, and several: compiled, not run eagerly
+        for r in (eager, compiled):
+            r.commit(list(range(len(args[0]) if len(args) == 1 else 1)))
+    assert compiled.capacity > 256 and compiled.length == eager.length > 256
+    assert counters["stats"]["unique_graphs"] - graphs == 2  # one row, and any other count
+    per_forward = 4 * len(compiled.layers) + 1  # qkv, o, gate|up and down a layer, then the head
+    assert counting.rows[:per_forward] == [7] * per_forward  # the tree's
+    assert set(counting.rows) == {1, 2, 3, 4, 5, 7} and len(counting.rows) == len(steps) * per_forward
+    compiled.projections = Projections(counting.plan)
+    compiled.projections.packed = counting.packed
     for kind in ("trained-chain", "suffix"):
         drafter = _drafter(kind, tiny_target)
         for prompt, ref in refs:
             assert speculative_generate(compiled, drafter, prompt, NEW).tokens == ref, kind
+    assert counters["stats"]["unique_graphs"] - graphs == 2
 
 
 def _drafter(kind, target):

@@ -99,8 +99,9 @@ class EvalConfig(StageConfig):
                            "(oneDNN over weights packed once: 1.5x faster products in bf16 on a Xeon with AMX), or "
                            "auto (per number of rows the fastest here, measured; docs/evaluate.md)",
                            choices=("auto", "torch", "few-rows", "packed"))
-    compile: bool = opt(False, "run the lean runner's decoding forwards as one torch.compile graph each (a minute "
-                        "or two of compiling first; projections by F.linear; docs/evaluate.md)")
+    compile: bool = opt(False, "run the lean runner's forwards after the prompt as torch.compile graphs (a minute "
+                        "or two of compiling first on a CPU; the projections by the runner's plan, --projections; "
+                        "docs/evaluate.md)")
     latency_prefix: int = opt(300, "prefix length for the latency table t(q)")
     widen: bool = opt(True, "verify q tokens in a wider forward where the measured t(q) says the wider one is "
                       "faster (fp32 on AVX2 CPUs: t(3) > t(4)); the extra rows are fillers, never committed")
@@ -334,8 +335,9 @@ def _run(cfg: EvalConfig) -> dict:
                             "evaluate that draft in its own run, as --draft")
     items = load_bench(cfg.bench, cfg.num_prompts, cfg.per_category)
     if cfg.compile:
-        con.print("compiling the target's decoding forwards (torch.compile; about 2 minutes on 2 CPU cores) ...")
-    runner = make_runner(target, draft.cfg.feature_layers, cfg.runner, linear=cfg.projections, compile=cfg.compile)
+        con.print("compiling the target's decoding forwards (torch.compile: 1-2 minutes for SmolLM2-135M on 2 CPU "
+                  "cores, less from inductor's cache) ...")
+    runner = make_runner(target, draft.cfg.feature_layers, cfg.runner, linear=cfg.projections, compiled=cfg.compile)
     if isinstance(runner, LeanRunner):
         con.print(f"target projections: {runner.linear_choice}{'; forward compiled' if runner.compiled else ''}")
         if runner.projections.plan != ((1, "torch"),) and quant == "none":  # the drafts' steps are a row or a few

@@ -31,7 +31,7 @@ machine: on that EPYC in float32 few_rows_linear made t(1) 36 ms against 65; on 
 weights made every forward's products 1.5x faster in bf16, and those of 4 rows or more in float32
 (docs/evaluate.md).
 
-Compiled (`LeanRunner(compile=True)`, `eyas evaluate --compile`): the forwards after a prompt run as torch.compile
+Compiled (`LeanRunner(compiled=True)`, `eyas evaluate --compile`): the forwards after a prompt run as torch.compile
 graphs (one for a single row, one for any other row count; fullgraph, so a graph break fails loudly) with dynamic
 cache lengths. Inductor fuses the norms, rotary embeddings, casts and the gated activation; the projections stay the
 runner's own, called through the `eyas::projection` operator the compiler does not trace. The cache is one tensor
@@ -40,6 +40,7 @@ per layer, written in place by the graph.
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 import weakref
@@ -294,11 +295,15 @@ class TargetRunner:
 
 
 class LeanRunner(TargetRunner):
-    """A Llama-family decoder over the HF modules' weights with a preallocated cache [L,1,nkv,cap,hd]."""
+    """A Llama-family decoder over the HF modules' weights with a preallocated cache: per layer, keys and values
+    [1,nkv,cap,hd]. compiled: its forwards after the prompt run as two torch.compile graphs (module docstring); any
+    further graph (torch.compile allows 8 a function, then fails under fullgraph) would come from a new grad mode,
+    which the runner fixes, or a one-token prompt, whose cache start 1 the compiler specialises on."""
 
     def __init__(self, target, feature_layers, capacity: int = 2048, linear: "str | tuple" = "torch",
-                 compile: bool = False):
+                 compiled: bool = False):
         super().__init__(target, feature_layers)
+        self.compiled = bool(compiled)
         cfg = target.text_config
         self.nh, self.nkv = (int(cfg.num_attention_heads),
                              int(getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)))
@@ -320,11 +325,11 @@ class LeanRunner(TargetRunner):
         # compiled: the decoding forwards (after a prompt) run as one torch.compile graph each (fullgraph: a graph
         # break is an error, not a silent fallback): inductor's kernels for everything between the projections,
         # which stay the runner's own (`_projection`: opaque to the compiler, by the current plan)
-        self.compiled = bool(compile)
         self._decode_layers = self._layers
-        if self.compiled and self.device.type == "cpu" and not any(map(shutil.which, ("g++", "c++", "clang++"))):
+        compilers = (os.environ.get("CXX", ""), "g++", "c++", "clang++")
+        if self.compiled and self.device.type == "cpu" and not any(c and shutil.which(c) for c in compilers):
             raise EyasError("a compiled forward asked for", "torch.compile builds its CPU kernels with a C++ "
-                            "compiler and none is on PATH (g++, c++, clang++)",
+                            "compiler and none is on PATH ($CXX, g++, c++, clang++)",
                             "install one (Debian: apt install g++), or leave out --compile")
         if self.compiled:
             _RUNNERS[id(self)] = self
@@ -406,7 +411,7 @@ class LeanRunner(TargetRunner):
         for cache in (self.k, self.v):
             for i in range(len(self.layers)):
                 grown = torch.empty(shape, dtype=self.cache_dtype, device=self.device)
-                for dim in (0, 1, 3):  # only the length is ever another size (a compiled forward's symbol)
+                for dim in (0, 1, 3) if self.compiled else ():  # only the length is ever another size (a symbol)
                     torch._dynamo.mark_static(grown, dim)
                 if len(cache) > i:
                     grown[:, :, : self.capacity] = cache[i]
@@ -420,14 +425,19 @@ class LeanRunner(TargetRunner):
 
     def _forward(self, ids, positions, tree, last_only):
         q, start = ids.shape[0], self.length
-        self._ensure(start + q)
+        self._ensure(start + q + 1)  # a spare column: the attended slice is never the whole cache, a case that a
+        # compiled graph (which specialises on the slice's contiguity) would compile again for
         causal = self.device.type == "cpu" and start == 0 and tree is None and q > 1  # a prompt from the start
         mask = None if causal else attention_mask(start, tree, q, ids.device)
         if mask is not None and self.device.type != "cpu":
             mask = _rep_mask(mask, self.nh // self.nkv)
         # a prompt runs once per request (uncompiled: its shapes would each compile anew); decoding steps compiled
-        layers = self._layers if start == 0 or last_only else self._decode_layers
-        return layers(ids, positions, mask, start, causal, last_only, self.k, self.v)
+        if start == 0 or last_only:
+            return self._layers(ids, positions, mask, start, causal, last_only, self.k, self.v)
+        with torch.inference_mode():  # one grad mode and one kind of input tensor always (inference tensors):
+            # the compiler would compile again for the other
+            ids, positions, mask = (t if t is None or t.is_inference() else t.clone() for t in (ids, positions, mask))
+            return self._decode_layers(ids, positions, mask, start, causal, last_only, self.k, self.v)
 
     def _layers(self, ids, positions, mask, start: int, causal: bool, last_only: bool, ks: list, vs: list):
         """The decoder over q new tokens written at cache columns start..start+q: (logits, features). mask: from
@@ -528,16 +538,19 @@ class HFRunner(TargetRunner):
 
 
 def make_runner(target, feature_layers, impl: str = "auto", capacity: int = 2048,
-                linear: "str | tuple" = "auto", compile: bool = False) -> TargetRunner:
+                linear: "str | tuple" = "auto", compiled: bool = False) -> TargetRunner:
     """The lean runner for Llama-family targets (its projections by `linear`, a kind or a plan:
-    LeanRunner.choose_linear; its decoding forwards compiled with `compile`), the HF one otherwise (or when
+    LeanRunner.choose_linear; its decoding forwards compiled with `compiled`), the HF one otherwise (or when
     impl='hf')."""
     if impl == "lean" or (impl == "auto" and supports(target)):
-        return LeanRunner(target, feature_layers, capacity, linear, compile)
-    if compile:
-        raise EyasError("a compiled target forward asked for", "only the lean runner (Llama-family targets: "
-                        f"{', '.join(sorted(LEAN_MODEL_TYPES))}) compiles its forward; this target runs by HF's",
-                        "leave out --compile")
+        return LeanRunner(target, feature_layers, capacity, linear, compiled)
+    if compiled:
+        why, fix = (("--runner hf was asked for", "use --runner auto or lean, or leave out --compile")
+                    if supports(target) else
+                    (f"this target is not of the Llama family ({', '.join(sorted(LEAN_MODEL_TYPES))})",
+                     "leave out --compile"))
+        raise EyasError("a compiled target forward asked for", f"only the lean runner compiles its forward, and {why}",
+                        fix)
     return HFRunner(target, feature_layers)
 
 
