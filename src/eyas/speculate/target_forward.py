@@ -309,8 +309,9 @@ class LeanRunner(TargetRunner):
                              int(getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)))
         self.hd = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.nh)
         self.layers = list(target.decoder_layers())
-        self._keeps = [i + 1 in self.feature_layers for i in range(len(self.layers))]
-        self._keeps_embedding = 0 in self.feature_layers
+        # by hidden-state index (0 = embeddings, i = layer i-1's output): a list, since a compiled graph misreads
+        # `i in tuple` when the ints are symbols
+        self._keeps = [j in self.feature_layers for j in range(len(self.layers) + 1)]
         # fused weights: [q|k|v] and [gate|up], one matmul each instead of three and two (copies; ~60% of the weights)
         self.wqkv, self.bqkv, self.wgu = fuse_projections(self.layers)
         self.capacity = 0
@@ -325,17 +326,17 @@ class LeanRunner(TargetRunner):
         # compiled: the decoding forwards (after a prompt) run as one torch.compile graph each (fullgraph: a graph
         # break is an error, not a silent fallback): inductor's kernels for everything between the projections,
         # which stay the runner's own (`_projection`: opaque to the compiler, by the current plan)
-        self._decode_layers = self._layers
-        compilers = (os.environ.get("CXX", ""), "g++", "c++", "clang++")
-        if self.compiled and self.device.type == "cpu" and not any(c and shutil.which(c) for c in compilers):
-            raise EyasError("a compiled forward asked for", "torch.compile builds its CPU kernels with a C++ "
-                            "compiler and none is on PATH ($CXX, g++, c++, clang++)",
-                            "install one (Debian: apt install g++), or leave out --compile")
+        self._compiled_layers = None
         if self.compiled:
+            compilers = (os.environ.get("CXX", ""), "g++", "c++", "clang++")
+            if self.device.type == "cpu" and not any(c and shutil.which(c) for c in compilers):
+                raise EyasError("a compiled forward asked for", "torch.compile builds its CPU kernels with a C++ "
+                                "compiler and none is on PATH ($CXX, g++, c++, clang++)",
+                                "install one (Debian: apt install g++), or leave out --compile")
             _RUNNERS[id(self)] = self
             for w in (*self.wqkv, *self.wgu, *(b for b in self.bqkv if b is not None)):
                 torch._dynamo.mark_static(w)  # the weights' shapes are constants: only rows and lengths vary
-            self._decode_layers = torch.compile(self._layers, dynamic=True, fullgraph=True)
+            self._compiled_layers = torch.compile(self._layers, dynamic=True, fullgraph=True)
         self.choose_linear(linear)
 
     def _weights(self) -> list[torch.Tensor]:
@@ -432,12 +433,12 @@ class LeanRunner(TargetRunner):
         if mask is not None and self.device.type != "cpu":
             mask = _rep_mask(mask, self.nh // self.nkv)
         # a prompt runs once per request (uncompiled: its shapes would each compile anew); decoding steps compiled
-        if start == 0 or last_only:
+        if not self.compiled or start == 0 or last_only:
             return self._layers(ids, positions, mask, start, causal, last_only, self.k, self.v)
         with torch.inference_mode():  # one grad mode and one kind of input tensor always (inference tensors):
             # the compiler would compile again for the other
             ids, positions, mask = (t if t is None or t.is_inference() else t.clone() for t in (ids, positions, mask))
-            return self._decode_layers(ids, positions, mask, start, causal, last_only, self.k, self.v)
+            return self._compiled_layers(ids, positions, mask, start, causal, last_only, self.k, self.v)
 
     def _layers(self, ids, positions, mask, start: int, causal: bool, last_only: bool, ks: list, vs: list):
         """The decoder over q new tokens written at cache columns start..start+q: (logits, features). mask: from
@@ -446,7 +447,7 @@ class LeanRunner(TargetRunner):
         x = body.embed_tokens(ids)[None]  # [1,q,H]
         cos, sin = body.rotary_emb(x, positions[None])  # [1,q,hd]
         cos, sin = cos[:, None], sin[:, None]
-        feats = [x] if self._keeps_embedding else []
+        feats = [x] if self._keeps[0] else []
         if self.device.type != "cpu":
             def attend(qs, k, v):
                 return _attend_fp32(qs, k, v, mask)
@@ -468,7 +469,7 @@ class LeanRunner(TargetRunner):
         for i, layer in enumerate(self.layers):
             x = layer_forward(layer, (self.wqkv[i], self.bqkv[i], self.wgu[i]), heads, x, cos, sin, ks[i],
                               vs[i], start, attend, linear)
-            if self._keeps[i]:
+            if self._keeps[i + 1]:
                 feats.append(x)
         if last_only:
             x = x[:, -1:]
