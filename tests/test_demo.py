@@ -333,9 +333,13 @@ def test_the_demos_last_lines_judge_the_draft_where_it_should_pay_and_where_it_c
     said = _final_lines({**summaries, "evaluate-gsm8k": same_tau}, tmp_path)[4]  # random draft: priced, not drafted
     assert "is fastest on MT-Bench writing," in said and "GSM8K test," not in said
     strong = results("gsm8k", ["gsm8k"], [(2.5, 1.9), (2.6, 2.0)], (2.6, 2.1), (1.5, 1.3))
-    said = _final_lines({**summaries, "evaluate": strong, "evaluate-gsm8k": strong,
-                         "prepare": {"samples": {"train": 50_000}}}, tmp_path)[4]
-    assert said.startswith("The draft alone pays on GSM8K test (2.00x) and GSM8K test (2.00x).")
+    twice = _final_lines({**summaries, "evaluate": strong, "evaluate-gsm8k": strong,
+                          "prepare": {"samples": {"train": 50_000}}}, tmp_path)
+    said = twice[4]  # two evaluations of one benchmark: each named by its stage, lines and conclusion alike
+    assert twice[2].startswith("  evaluate, GSM8K test (4 prompts): draft tau 2.60, 2.00x (chain 5)")
+    assert twice[3].startswith("  evaluate-gsm8k, GSM8K test (4 prompts): draft tau 2.60, 2.00x (chain 5)")
+    assert said.startswith("The draft alone pays on GSM8K test in evaluate (2.00x) and GSM8K test in "
+                           "evaluate-gsm8k (2.00x).")
     assert "Prompt lookup" not in said and "conversations and minutes" not in said
     no_draft = {"bench": {"name": "gsm8k"}, "configs": gsm["configs"][2:]}
     assert _final_lines({"evaluate": no_draft}, tmp_path) == [f"run folder: {tmp_path}"]

@@ -143,7 +143,12 @@ def _final_lines(summaries: dict, run: Path) -> list[str]:
     all of them, what they say, and the report's path."""
     lines = [f"run folder: {run}"]
     evals = {name: s for name, s in summaries.items() if s and isinstance(s, dict) and "configs" in s}
-    rows = [row for s in evals.values() if (row := _bench_row(s)) is not None]
+    rows = [(name, row) for name, s in evals.items() if (row := _bench_row(s)) is not None]
+    shorts = [short for _, (_, short, _) in rows]
+    # a run with two evaluations of one benchmark (the recipe's and a side experiment's): each named by its stage,
+    # so neither's figures stand in for the other's
+    rows = [(f"{line[:2]}{name}, {line[2:]}", f"{short} in {name}", speed) if shorts.count(short) > 1
+            else (line, short, speed) for name, (line, short, speed) in rows]
     if rows:
         checked = [c["lossless"] for s in evals.values() for c in s["configs"]
                    if (c.get("lossless") or {}).get("checked")]
