@@ -30,7 +30,7 @@ class CompileConfig:
     target: str = target_opt()
     dtype: Dtype = dtype_opt("the target", auto="fp32 here")
     projections: str = opt("auto", "the plan both runners use: auto (measured by the eager runner), or one kind",
-                           choices=("auto", "torch", "few-rows", "packed"))
+                           choices=("auto", "torch", "few-rows", "packed", "mkl"))
     prefix: int = opt(300, "tokens already in the cache when t(q) is timed")
     tokens: int = opt(128, "tokens of each plain greedy decode")
     reps: int = opt(9, "alternated timings of each forward (the median is printed)")

@@ -1,7 +1,8 @@
-"""The lean runner's projections by F.linear against few_rows_linear ((W @ x.T).T, float32) and oneDNN over packed
-weights (where this machine has it), side by side on a real target: t(q) for each, measured in alternation, and
-plain greedy decoding on the same prompts with each, outputs compared token for token with F.linear's. What
-`eyas evaluate --projections auto` decides by a shorter measurement of its own.
+"""The lean runner's projections by F.linear against few_rows_linear ((W @ x.T).T, float32), oneDNN over packed
+weights and MKL over weights packed per row count (float32; each where this machine has it), side by side on a
+real target: t(q) for each, measured in alternation, and plain greedy decoding on the same prompts with each,
+outputs compared token for token with F.linear's. What `eyas evaluate --projections auto` decides by a shorter
+measurement of its own.
 
     python bench/bench_linear.py --bench gsm8k --prompts 6 --new 64
 
@@ -50,7 +51,7 @@ def main() -> None:
 
     from eyas.core.target import load_target
     from eyas.data.chat import ChatRenderer
-    from eyas.models.llama import packing_unsupported
+    from eyas.models.llama import mkl_unsupported, packing_unsupported
     from eyas.speculate.decode import plain_generate
     from eyas.speculate.evaluate import load_bench, stop_ids
     from eyas.speculate.target_forward import LeanRunner, Projections, measure_latency
@@ -61,7 +62,9 @@ def main() -> None:
     sides = ["torch"] + (["few-rows"] if target.dtype == torch.float32 else [])
     why = packing_unsupported(target.dtype, runner.device)
     sides += [] if why else ["packed"]
-    ways = {s: Projections.of(s) for s in sides}  # packed once
+    why_mkl = mkl_unsupported(target.dtype, runner.device)
+    sides += [] if why_mkl else ["mkl"]
+    ways = {s: Projections.of(s) for s in sides}  # packed once (mkl: once per row count)
     qs = (1, 2, 3, 4, 5, 8, 16)
     lat = {s: {q: [] for q in qs} for s in sides}
     for r in range(a.rounds):
@@ -86,7 +89,7 @@ def main() -> None:
         for s in sides:
             same[s] += out[s] == out["torch"]
     print(f"{target.name} {a.torch_dtype}; t(q) ms, the median of {a.rounds} rounds of 5 alternated"
-          + (f" (no packed side: {why})" if why else ""))
+          + (f" (no packed side: {why})" if why else "") + (f" (no mkl side: {why_mkl})" if why_mkl else ""))
     print(f"{'q':>3} {'F.linear':>9}" + "".join(f" {s:>9} {'ratio':>6}" for s in sides[1:]))
     med = {s: {q: sorted(lat[s][q])[len(lat[s][q]) // 2] * 1e3 for q in qs} for s in sides}
     for q in qs:

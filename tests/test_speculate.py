@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from eyas.core.errors import EyasError
-from eyas.models.llama import packing_unsupported
+from eyas.models.llama import MKL_ROWS, mkl_unsupported, packing_unsupported
 from eyas.speculate.controller import Controller, chain_yield, union_yield
 from eyas.speculate.decode import (
     Proposal,
@@ -96,7 +96,17 @@ def packed_runner(target, layers):
     return LeanRunner(target, layers, linear=((1, "torch"), (3, "packed")))
 
 
-@pytest.mark.parametrize("impl", [LeanRunner, HFRunner, few_rows_runner, packed_runner])
+MKL = mkl_unsupported(torch.float32, "cpu")
+
+
+def mkl_runner(target, layers):
+    """MKL's packed products from 3 rows on (each row count its own copy), F.linear below."""
+    if MKL:
+        pytest.skip(MKL)
+    return LeanRunner(target, layers, linear=((1, "torch"), (3, "mkl")))
+
+
+@pytest.mark.parametrize("impl", [LeanRunner, HFRunner, few_rows_runner, packed_runner, mkl_runner])
 def test_runner_tree_forward_equals_plain_forward_of_each_path(tiny_target, impl):
     """Every node's logits and features equal transformers' plain forward over prefix + the node's path."""
     model, g = tiny_target.model, torch.Generator().manual_seed(1)
@@ -136,7 +146,7 @@ def test_runner_commit_keeps_the_accepted_path_only(tiny_target, impl):
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("impl", [LeanRunner, HFRunner, few_rows_runner, packed_runner])
+@pytest.mark.parametrize("impl", [LeanRunner, HFRunner, few_rows_runner, packed_runner, mkl_runner])
 def test_plain_generate_equals_transformers_generate(tiny_target, refs, impl):
     runner = impl(tiny_target, tiny_target.default_feature_layers())
     for prompt, ref in refs:
@@ -159,9 +169,9 @@ SHALLOW_LAYERS = [1, 2, 3]
 @pytest.fixture(scope="module")
 def compiled_runner(shallow_target):
     """One compiled lean runner for the module (torch.compile keeps its graphs by code and guards them on the
-    runner, so each new runner would compile again), F.linear below 3 rows and packed products from 3 on where this
-    CPU has them: both kinds inside one graph. Its cache starts at the least capacity, to be grown."""
-    plan = "torch" if PACKING else ((1, "torch"), (3, "packed"))
+    runner, so each new runner would compile again), F.linear below 3 rows, packed products from 3 and MKL's from 6
+    on where this CPU has them: every kind inside one graph. Its cache starts at the least capacity, to be grown."""
+    plan = ((1, "torch"),) + ((3, "packed"),) * (not PACKING) + ((6, "mkl"),) * (not MKL)
     return LeanRunner(shallow_target, SHALLOW_LAYERS, capacity=1, linear=plan, compiled=True)
 
 
@@ -1011,6 +1021,47 @@ def test_packed_linear_is_the_same_product_as_f_linear(rows):
                 torch.testing.assert_close(got.float(), want.float(), **tol)
 
 
+@pytest.mark.skipif(bool(MKL), reason=MKL or "")
+@pytest.mark.parametrize("rows", [1, 3, 4, 16])
+def test_mkl_linear_is_the_same_product_as_f_linear(rows):
+    """MKL over a weight packed for the row count: F.linear's numbers (its own float32 kernel), any leading shape
+    and layout, with or without a bias."""
+    import torch.nn.functional as F
+
+    from eyas.models.llama import mkl_linear, mkl_pack
+
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(96, 40, generator=g), torch.randn(96, generator=g)
+    packed = mkl_pack(w, rows)
+    for x in (torch.randn(1, rows, 40, generator=g), torch.randn(40, rows, generator=g).T):
+        for bias in (None, b):
+            got, want = mkl_linear(x, packed, w, bias, rows), F.linear(x, w, bias)
+            assert got.shape == want.shape == (*x.shape[:-1], 96)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(bool(MKL), reason=MKL or "")
+def test_the_mkl_kind_packs_each_row_count_once_within_its_budget():
+    """A copy per weight and row count, made at the first product over that many rows and kept; past the budget of
+    row counts, or MKL_ROWS rows, F.linear computes the product unpacked; below the plan's mkl rows, nothing is
+    packed. Every product F.linear's."""
+    import torch.nn.functional as F
+
+    p = Projections(((1, "torch"), (3, "mkl")))
+    p.mkl_copies = 2
+    g = torch.Generator().manual_seed(0)
+    w1, w2 = torch.randn(48, 32, generator=g), torch.randn(24, 32, generator=g)
+    for rows in (1, 2, 3, 4, 3, 5, MKL_ROWS + 1):
+        for w in (w1, w2):
+            x = torch.randn(rows, 32, generator=g)
+            torch.testing.assert_close(p(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert sorted(p.mkl) == [3, 4]  # 5 rows past the budget of two counts; 17 past MKL_ROWS; 1-2 rows torch
+    assert all(set(packs) == {w1.data_ptr(), w2.data_ptr()} for packs in p.mkl.values())
+    first = p.mkl[3][w1.data_ptr()][1]
+    p(torch.randn(3, 32, generator=g), w1)
+    assert p.mkl[3][w1.data_ptr()][1] is first  # packed once
+
+
 def test_a_projection_plan_picks_its_kind_by_rows_and_says_so():
     p = Projections(((1, "torch"), (4, "packed"), (16, "few-rows")))
     assert [p.kind(m) for m in (1, 3, 4, 15, 16, 300)] == ["torch", "torch", "packed", "packed", "few-rows",
@@ -1066,22 +1117,35 @@ def test_the_runner_chooses_its_projections_by_measuring_on_a_cpu(tiny_target, m
                             clock(lambda k, m: 0.66 if k == "packed" and m >= 4 else 1.0))
         assert runner.choose_linear("auto").startswith("1-3 rows torch, 4+ rows packed (measured")
         assert runner.projections.packed  # the forward's weights, packed once
+    if not MKL:  # MKL's packed products a third faster from 4 rows on: the copies of 4, 8 and 16 rows are kept
+        monkeypatch.setattr(runner_mod.time, "perf_counter",
+                            clock(lambda k, m: 0.6 if k == "mkl" and m >= 4 else 1.0))
+        said = runner.choose_linear("auto")
+        assert said.startswith("1-3 rows torch, 4+ rows mkl (measured") and "for at most 8 counts" in said
+        assert sorted(runner.projections.mkl) == [4, 8, 16] and runner.projections.mkl_copies == 8
+        monkeypatch.setattr(runner_mod, "available_bytes", lambda: 9 * runner._weight_bytes())
+        assert "/mkl:" not in runner.choose_linear("auto")  # 4 copies fit in half the memory, measuring packs 5
+        runner.choose_linear("mkl")
+        assert runner.projections.mkl_copies == 4 and runner.linear_choice == "mkl (as asked)"
     monkeypatch.undo()
     bf16 = dataclasses.replace(tiny_target, model=copy.deepcopy(tiny_target.model).to(torch.bfloat16))
     said = LeanRunner(bf16, bf16.default_feature_layers(), linear="auto").linear_choice
     assert "few-rows" not in said  # few_rows_linear is a float32 remedy; bf16 weighs F.linear and packed only
+    with pytest.raises(EyasError, match="mkl projections asked for") as e:
+        LeanRunner(bf16, bf16.default_feature_layers(), linear="mkl")
+    assert "single precision (float32), not torch.bfloat16" in str(e.value)
     assert said.split(" (measured, rows: ms by ")[1].startswith(
         "torch: " if packing_unsupported(torch.bfloat16, "cpu") else "torch/packed: ")
 
 
-@pytest.mark.parametrize("how", ["few-rows", "packed"])
+@pytest.mark.parametrize("how", ["few-rows", "packed", "mkl"])
 def test_a_projected_draft_proposes_what_the_draft_proposes(tiny_target, refs, how):
     """evaluate runs the drafts' linears as the runner computes its projections: the same weights, the same
     proposals here (the tiny draft has no near-ties), and the target's greedy output either way."""
     from eyas.speculate.quantize import ProjectedLinear, projected_draft
 
-    if how == "packed" and PACKING:
-        pytest.skip(PACKING)
+    if {"packed": PACKING, "mkl": MKL}.get(how):
+        pytest.skip({"packed": PACKING, "mkl": MKL}[how])
     draft = trained_draft(tiny_target)
     runner = LeanRunner(tiny_target, tiny_target.default_feature_layers(), linear=how)
     fast = projected_draft(draft, runner.projections)

@@ -75,6 +75,14 @@ def pack_module(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+def available_bytes() -> int | None:
+    """The memory the system has free now (Linux's available pages), or None where the platform does not say."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def tune_allocator() -> None:
     """Keep freed buffers inside the process (glibc): by default every buffer over 32 MiB goes back to the OS
     when freed and is page-faulted in again by the next batch, which cost 10-25 % of the CPU time of a forward

@@ -24,6 +24,7 @@ from typing import Iterable, Iterator, Protocol
 
 from eyas.core.dist import pick_device
 from eyas.core.errors import EyasError
+from eyas.core.memory import available_bytes
 from eyas.core.precision import FULL
 from eyas.core.target import TINY, resolve_source
 from eyas.core.threads import cores, user_threads
@@ -66,9 +67,8 @@ def _copies_that_fit(cfg: WorkerSettings) -> int:
     either is unknown: a built-in tiny target, a platform without these counters)."""
     if cfg.target in TINY:
         return 1 << 10
-    try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
+    available = available_bytes()
+    if available is None:
         return 1 << 10
     _, folder = resolve_source(cfg.target)
     stored = sum(f.stat().st_size for f in Path(folder).glob("*") if f.suffix in (".safetensors", ".bin"))

@@ -77,6 +77,36 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None 
     return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
 
 
+MKL_ROWS = 16  # the most rows MKL's packed product is prepared for (a copy of the weights per row count)
+
+
+def mkl_unsupported(dtype: torch.dtype, device) -> str:
+    """'' where MKL's packed single-precision product (`mkl_pack`, `mkl_linear`) runs for `dtype` on `device`, else
+    why not."""
+    if torch.device(device).type != "cpu":
+        return "MKL's packed product is a CPU path"
+    if not torch.backends.mkl.is_available() or not hasattr(torch.ops.mkl, "_mkl_linear"):
+        return "this torch build has no MKL"
+    if dtype != torch.float32:
+        return f"MKL's packed product is single precision (float32), not {dtype}"
+    return ""
+
+
+def mkl_pack(w: torch.Tensor, rows: int) -> torch.Tensor:
+    """w [N,K] copied once into MKL's packed layout for products over exactly `rows` rows (`mkl_linear`): what
+    torch's own CPU compiler makes of a frozen float32 linear weight. Each row count takes its own copy."""
+    return torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), rows)
+
+
+def mkl_linear(x: torch.Tensor, packed: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+               rows: int) -> torch.Tensor:
+    """x @ w.T (+ b) by MKL over `mkl_pack(w, rows)`, x holding `rows` rows: the kernel F.linear's float32 product
+    calls, over weights laid out once instead of at every call (F.linear's numbers bit for bit on an Intel Xeon
+    with AMX; in SmolLM2-135M's whole float32 forward 4 rows took 31.0 ms against 35.2 by oneDNN's packed product
+    and 38.8 by F.linear, docs/evaluate.md). Any leading shape."""
+    return torch.ops.mkl._mkl_linear(x, packed, w, b, rows)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding, the rotate-half convention of transformers' Llama."""
     half = x.shape[-1] // 2

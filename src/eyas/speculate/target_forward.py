@@ -50,12 +50,17 @@ import torch
 import torch.nn.functional as F
 
 from eyas.core.errors import EyasError
+from eyas.core.memory import available_bytes
 from eyas.models.llama import (
     FEW_ROWS,
     LEAN_MODEL_TYPES,
+    MKL_ROWS,
     few_rows_linear,
     fuse_projections,
     layer_forward,
+    mkl_linear,
+    mkl_pack,
+    mkl_unsupported,
     pack_weight,
     packed_linear,
     packing_unsupported,
@@ -63,7 +68,8 @@ from eyas.models.llama import (
 )
 
 LINEARS = {"torch": F.linear, "few-rows": few_rows_linear}
-KINDS = ("torch", "few-rows", "packed")  # how a projection may be computed (Projections)
+KINDS = ("torch", "few-rows", "packed", "mkl")  # how a projection may be computed (Projections)
+MKL_COPIES = 8  # row counts the mkl kind packs the weights for at most (each count a copy of every weight)
 LINEAR_MARGIN = 0.1  # another way than F.linear is chosen only where it measured at least this much faster
 MEASURED_ROWS = (1, 2, 4, 8, FEW_ROWS)  # the row counts `auto` times a forward at
 
@@ -71,8 +77,10 @@ MEASURED_ROWS = (1, 2, 4, 8, FEW_ROWS)  # the row counts `auto` times a forward 
 class Projections:
     """x @ w.T (+ b) as the lean runner computes it, by the number of rows: `plan` = ((from_rows, kind), ...) in
     increasing from_rows, the first from 1; a call over m rows takes the kind of the last entry with from_rows <= m.
-    Kinds: torch (F.linear), few-rows (few_rows_linear) and packed (packed_linear over `pack_weight` copies, made
-    once per weight by `pack`). The same weights and the same product by every kind, to the order of the sums."""
+    Kinds: torch (F.linear), few-rows (few_rows_linear), packed (packed_linear over `pack_weight` copies, made
+    once per weight by `pack`) and mkl (mkl_linear over `mkl_pack` copies, one per weight and row count, made at
+    the first product over that many rows: up to MKL_ROWS rows and MKL_COPIES row counts, F.linear's own kernel
+    beyond). The same weights and the same product by every kind, to the order of the sums."""
 
     def __init__(self, plan: tuple[tuple[int, str], ...]):
         if not plan or plan[0][0] != 1 or any(k not in KINDS for _, k in plan):
@@ -80,6 +88,9 @@ class Projections:
         self.plan = tuple((int(r), k) for r, k in plan)
         # weight's data_ptr -> (the weight, its packed copy): holding the weight keeps its address from being reused
         self.packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # rows -> weight's data_ptr -> (the weight, its copy packed by MKL for that many rows)
+        self.mkl: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.mkl_copies = MKL_COPIES  # the most row counts mkl packs for (the runner lowers it to what memory holds)
 
     @classmethod
     def of(cls, how: "str | tuple") -> "Projections":
@@ -98,10 +109,26 @@ class Projections:
                 if w.data_ptr() not in self.packed:
                     self.packed[w.data_ptr()] = (w, pack_weight(w))
 
+    def mkl_packed(self, w: torch.Tensor, rows: int) -> torch.Tensor | None:
+        """w's copy packed by MKL for `rows` rows, made now if it is the first product over that many rows; None
+        past MKL_ROWS rows or MKL_COPIES row counts (then F.linear computes it: the same kernel, unpacked)."""
+        packs = self.mkl.get(rows)
+        if packs is None:
+            if rows > MKL_ROWS or len(self.mkl) >= self.mkl_copies:
+                return None
+            packs = self.mkl[rows] = {}
+        if w.data_ptr() not in packs:
+            packs[w.data_ptr()] = (w, mkl_pack(w, rows))
+        return packs[w.data_ptr()][1]
+
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        kind = self.kind(x.numel() // x.shape[-1])
+        rows = x.numel() // x.shape[-1]
+        kind = self.kind(rows)
         if kind == "packed":
             return packed_linear(x, self.packed[w.data_ptr()][1], b)
+        if kind == "mkl":
+            packed = self.mkl_packed(w, rows)
+            return F.linear(x, w, b) if packed is None else mkl_linear(x, packed, w, b, rows)
         return LINEARS[kind](x, w, b)
 
     def describe(self) -> str:
@@ -349,7 +376,17 @@ class LeanRunner(TargetRunner):
     def use_projections(self, projections: Projections) -> None:
         """Compute the projections by `projections`, packing the weights it needs (once per Projections)."""
         projections.pack(self._weights())
+        projections.mkl_copies = min(projections.mkl_copies, self._mkl_copies())
         self.projections = projections
+
+    def _weight_bytes(self) -> int:
+        return sum(w.numel() * w.element_size() for w in {w.data_ptr(): w for w in self._weights()}.values())
+
+    def _mkl_copies(self) -> int:
+        """How many row counts the mkl kind may pack the weights for: MKL_COPIES, or fewer where half the memory
+        available holds fewer copies of them."""
+        available = available_bytes()
+        return MKL_COPIES if available is None else min(MKL_COPIES, int(available * 0.5 // self._weight_bytes()))
 
     @torch.inference_mode()
     def choose_linear(self, how: "str | tuple" = "auto", reps: int = 3) -> str:
@@ -363,9 +400,12 @@ class LeanRunner(TargetRunner):
                             "use one of those, or auto")
         dtype = self.target.dtype
         if how != "auto":
-            why = packing_unsupported(dtype, self.device) if Projections.of(how).uses("packed") else ""
+            asked = Projections.of(how)
+            why = (packing_unsupported(dtype, self.device) if asked.uses("packed") else "") or (
+                mkl_unsupported(dtype, self.device) if asked.uses("mkl") else "")
             if why:
-                raise EyasError("packed projections asked for", why, "use --projections torch or auto")
+                raise EyasError(f"{'packed' if asked.uses('packed') else 'mkl'} projections asked for", why,
+                                "use --projections torch or auto")
             self.use_projections(Projections.of(how))
             self.linear_choice = f"{self.projections.describe()} (as asked)"
             return self.linear_choice
@@ -376,6 +416,9 @@ class LeanRunner(TargetRunner):
         kinds = ["torch"] + (["few-rows"] if dtype == torch.float32 else [])
         if not packing_unsupported(dtype, self.device):
             kinds.append("packed")
+        copies = self._mkl_copies()
+        if not mkl_unsupported(dtype, self.device) and copies >= len(MEASURED_ROWS):  # measuring packs each count
+            kinds.append("mkl")
         g = torch.Generator().manual_seed(0)
         vocab = self.target.vocab_size
         times: dict[str, dict[int, list[float]]] = {k: {m: [] for m in MEASURED_ROWS} for k in kinds}
@@ -398,9 +441,15 @@ class LeanRunner(TargetRunner):
         chosen = Projections(plan_from_times(med))
         if chosen.uses("packed"):
             chosen.packed = by_kind["packed"].packed  # packed once; unused, they are freed with by_kind
+        if chosen.uses("mkl"):  # the copies for the row counts the plan computes by mkl
+            chosen.mkl = {m: p for m, p in by_kind["mkl"].mkl.items() if chosen.kind(m) == "mkl"}
+            chosen.mkl_copies = copies
         self.projections = chosen
         table = "; ".join(f"{m} {'/'.join(f'{1e3 * med[k][m]:.1f}' for k in kinds)}" for m in MEASURED_ROWS)
         self.linear_choice = f"{chosen.describe()} (measured, rows: ms by {'/'.join(kinds)}: {table})"
+        if chosen.uses("mkl"):
+            self.linear_choice += (f"; mkl packs the {self._weight_bytes() / 2**20:,.0f} MiB of weights once per "
+                                   f"row count, for at most {copies} counts of up to {MKL_ROWS} rows")
         return self.linear_choice
 
     def _ensure(self, needed: int) -> None:
