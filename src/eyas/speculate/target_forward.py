@@ -401,12 +401,10 @@ class LeanRunner(TargetRunner):
         dtype = self.target.dtype
         if how != "auto":
             asked = Projections.of(how)
-            why = (packing_unsupported(dtype, self.device) if asked.uses("packed") else "") or (
-                mkl_unsupported(dtype, self.device) if asked.uses("mkl") else "")
-            if why:
-                raise EyasError(f"{'packed' if asked.uses('packed') else 'mkl'} projections asked for", why,
-                                "use --projections torch or auto")
-            self.use_projections(Projections.of(how))
+            for kind, unsupported in (("packed", packing_unsupported), ("mkl", mkl_unsupported)):
+                if asked.uses(kind) and (why := unsupported(dtype, self.device)):
+                    raise EyasError(f"{kind} projections asked for", why, "use --projections torch or auto")
+            self.use_projections(asked)
             self.linear_choice = f"{self.projections.describe()} (as asked)"
             return self.linear_choice
         if self.device.type != "cpu":
