@@ -1024,7 +1024,7 @@ def test_packed_linear_is_the_same_product_as_f_linear(rows):
 @pytest.mark.skipif(bool(MKL), reason=MKL or "")
 @pytest.mark.parametrize("rows", [1, 3, 4, 16])
 def test_mkl_linear_is_the_same_product_as_f_linear(rows):
-    """MKL over a weight packed for the row count: F.linear's numbers (its own float32 kernel), any leading shape
+    """MKL over a weight packed for the row count: F.linear's numbers to float32's rounding, any leading shape
     and layout, with or without a bias."""
     import torch.nn.functional as F
 
@@ -1144,8 +1144,8 @@ def test_a_projected_draft_proposes_what_the_draft_proposes(tiny_target, refs, h
     proposals here (the tiny draft has no near-ties), and the target's greedy output either way."""
     from eyas.speculate.quantize import ProjectedLinear, projected_draft
 
-    if {"packed": PACKING, "mkl": MKL}.get(how):
-        pytest.skip({"packed": PACKING, "mkl": MKL}[how])
+    if why := {"packed": PACKING, "mkl": MKL}.get(how):
+        pytest.skip(why)
     draft = trained_draft(tiny_target)
     runner = LeanRunner(tiny_target, tiny_target.default_feature_layers(), linear=how)
     fast = projected_draft(draft, runner.projections)

@@ -100,10 +100,10 @@ def mkl_pack(w: torch.Tensor, rows: int) -> torch.Tensor:
 
 def mkl_linear(x: torch.Tensor, packed: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
                rows: int) -> torch.Tensor:
-    """x @ w.T (+ b) by MKL over `mkl_pack(w, rows)`, x holding `rows` rows: the kernel F.linear's float32 product
-    calls, over weights laid out once instead of at every call (F.linear's numbers bit for bit on an Intel Xeon
-    with AMX, where SmolLM2-135M's float32 forward over 4 rows took 30.4 ms against 35.1 by F.linear and the draft's
-    chain of 3 ran 1.06-1.09x faster than over oneDNN's packed weights; docs/evaluate.md). Any leading shape."""
+    """x @ w.T (+ b) by MKL over `mkl_pack(w, rows)`, x holding `rows` rows: MKL's float32 product over weights laid
+    out once instead of at every call (F.linear's numbers to float32's rounding; on an Intel Xeon with AMX, where
+    SmolLM2-135M's float32 forward over 4 rows took 30.4 ms against 35.1 by F.linear and the draft's chain of 3 ran
+    1.06-1.09x faster than over oneDNN's packed weights; docs/evaluate.md). Any leading shape."""
     return torch.ops.mkl._mkl_linear(x, packed, w, b, rows)
 
 

@@ -97,9 +97,9 @@ class EvalConfig(StageConfig):
     projections: str = opt("auto", "how the lean runner computes its projections: torch (F.linear), few-rows "
                            "((W @ x.T).T up to 16 rows: t(1) 1.79x faster on an AVX2 EPYC in float32), packed "
                            "(oneDNN over weights packed once: 1.5x faster products in bf16 on a Xeon with AMX), mkl "
-                           "(float32: MKL over the weights packed once per row count, F.linear's numbers; a chain of 3 "
-                           "1.06-1.09x faster than with packed on a Xeon with AMX), or auto (per number of rows the "
-                           "fastest here, measured; docs/evaluate.md)",
+                           "(float32: MKL over the weights packed once per row count, F.linear's to rounding; a "
+                           "chain of 3 1.06-1.09x faster than with packed on a Xeon with AMX), or auto (per number of "
+                           "rows the fastest here, measured; docs/evaluate.md)",
                            choices=("auto", "torch", "few-rows", "packed", "mkl"))
     compile: bool = opt(False, "run the lean runner's forwards after the prompt as torch.compile graphs (a minute "
                         "or two of compiling first on a CPU; the projections by the runner's plan, --projections; "

@@ -111,7 +111,7 @@ class Projections:
 
     def mkl_packed(self, w: torch.Tensor, rows: int) -> torch.Tensor | None:
         """w's copy packed by MKL for `rows` rows, made now if it is the first product over that many rows; None
-        past MKL_ROWS rows or MKL_COPIES row counts (then F.linear computes it: the same kernel, unpacked)."""
+        past MKL_ROWS rows or MKL_COPIES row counts (then F.linear computes it)."""
         packs = self.mkl.get(rows)
         if packs is None:
             if rows > MKL_ROWS or len(self.mkl) >= self.mkl_copies:
